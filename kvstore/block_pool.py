@@ -1,0 +1,175 @@
+"""Block pools: which block ids are free, in use (ref count > 0) or cached (ref 0, still hashed).
+
+Pure Python, no torch. A ``BlockPool`` only tracks ids; the bytes live in the pool tensor that
+``kvstore.device`` owns. States of a block, exactly one at a time:
+
+- free:   ref 0, holds nothing reusable; in the free queue.
+- used:   ref > 0; held by one or more requests.
+- cached: ref 0, but its content is registered in the prefix index; in the LRU, evicted (oldest
+          first) only when the free queue is empty.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict, deque
+
+
+class NoFreeBlocks(Exception):
+    """Raised when an allocation asks for more blocks than are free or evictable."""
+
+
+class BlockPool:
+    """Ref counts, a FIFO free queue and an LRU of cached blocks for ``num_blocks`` ids.
+
+    The caller (``KVCacheManager``) decides which blocks are cached: ``mark_cached`` when it
+    registers a block in the prefix index, ``mark_uncached`` when it unregisters one. ``allocate``
+    returns the cached blocks it evicted so the caller can drop them from the index.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.ref_counts = [0] * num_blocks
+        self.cached = [False] * num_blocks
+        self._free: deque[int] = deque(range(num_blocks))
+        self._lru: OrderedDict[int, None] = OrderedDict()  # first = least recently used
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_cached_free(self) -> int:
+        """Cached blocks with ref 0 (evictable)."""
+        return len(self._lru)
+
+    @property
+    def num_available(self) -> int:
+        """Blocks an allocation may take: free plus evictable cached."""
+        return len(self._free) + len(self._lru)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.num_available
+
+    def lru_order(self) -> list[int]:
+        """Evictable blocks, next victim first."""
+        return list(self._lru)
+
+    def allocate(self, n: int) -> tuple[list[int], list[int]]:
+        """Takes ``n`` blocks (ref 1 each): free ones first, then the least recently used cached.
+
+        Returns ``(blocks, evicted)``; ``evicted`` are the cached blocks that were reused, now
+        uncached: the caller must drop them from its prefix index. All or nothing.
+        """
+        if n > self.num_available:
+            raise NoFreeBlocks(f"need {n} blocks, {self.num_available} available")
+        blocks: list[int] = []
+        evicted: list[int] = []
+        for _ in range(n):
+            if self._free:
+                block = self._free.popleft()
+            else:
+                block, _ = self._lru.popitem(last=False)
+                self.cached[block] = False
+                evicted.append(block)
+            self.ref_counts[block] = 1
+            blocks.append(block)
+        return blocks, evicted
+
+    def ref(self, block: int) -> None:
+        """Adds a holder to ``block``; a cached block with ref 0 leaves the LRU."""
+        if self.ref_counts[block] == 0:
+            if not self.cached[block]:
+                raise ValueError(f"block {block} is free; only used or cached blocks can be shared")
+            del self._lru[block]
+        self.ref_counts[block] += 1
+
+    def release(self, blocks: list[int]) -> None:
+        """Drops one holder from each block. At ref 0 a cached block becomes the most recently
+        used entry of the LRU and an uncached one returns to the free queue's tail."""
+        for block in blocks:
+            if self.ref_counts[block] <= 0:
+                raise ValueError(f"double free of block {block}")
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                if self.cached[block]:
+                    self._lru[block] = None
+                else:
+                    self._free.append(block)
+
+    def mark_cached(self, block: int) -> None:
+        """The block's content is now registered in the prefix index (the block must be used)."""
+        if self.ref_counts[block] == 0:
+            raise ValueError(f"block {block} is not in use")
+        self.cached[block] = True
+
+    def mark_uncached(self, block: int) -> None:
+        """The block left the prefix index; if nobody holds it, it becomes free."""
+        if not self.cached[block]:
+            return
+        self.cached[block] = False
+        if self.ref_counts[block] == 0:
+            del self._lru[block]
+            self._free.append(block)
+
+    def check_integrity(self) -> None:
+        """Every block in exactly one state; counts add up to the total."""
+        free = set(self._free)
+        lru = set(self._lru)
+        assert len(free) == len(self._free), "a block is twice in the free queue"
+        assert not free & lru, f"blocks both free and cached: {sorted(free & lru)}"
+        for block in range(self.num_blocks):
+            ref = self.ref_counts[block]
+            assert ref >= 0, f"block {block} has negative ref count {ref}"
+            if ref > 0:
+                assert block not in free and block not in lru, f"used block {block} is listed free"
+            elif self.cached[block]:
+                assert block in lru, f"cached block {block} with ref 0 is not in the LRU"
+            else:
+                assert block in free, f"free block {block} is missing from the free queue"
+        assert self.num_free + self.num_cached_free + self.num_used == self.num_blocks
+
+
+class SwapSpace:
+    """The CPU tier: ids of blocks in the pinned host pool. One owner per block, no sharing.
+
+    Allocation takes the lowest free ids first so that a swap's blocks tend to form contiguous
+    runs, which the device copies in one transfer each.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self._free: set[int] = set(range(num_blocks))
+        self._heap: list[int] = list(range(num_blocks))  # the same ids, lowest first
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise NoFreeBlocks(f"need {n} CPU blocks, {len(self._free)} free")
+        blocks = [heapq.heappop(self._heap) for _ in range(n)]
+        self._free.difference_update(blocks)
+        return blocks
+
+    def release(self, blocks: list[int]) -> None:
+        for block in blocks:
+            if block in self._free or not 0 <= block < self.num_blocks:
+                raise ValueError(f"double free of CPU block {block}")
+            self._free.add(block)
+            heapq.heappush(self._heap, block)
+
+    def check_integrity(self, used: list[int]) -> None:
+        """``used``: every CPU block some swapped request holds, per the manager."""
+        assert len(used) == len(set(used)), "a CPU block is held twice"
+        assert not set(used) & self._free, "a held CPU block is also free"
+        assert len(used) + len(self._free) == self.num_blocks, "CPU blocks leaked"
+        assert sorted(self._heap) == sorted(self._free), "CPU free heap out of sync"

@@ -1,0 +1,61 @@
+"""A synchronous client of the kvstore daemon (ZeroMQ DEALER). Torch-free."""
+
+from __future__ import annotations
+
+import itertools
+
+import zmq
+
+from kvstore import protocol as p
+
+
+class KVStoreError(Exception):
+    """The daemon answered with an ``Error`` reply."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+
+
+class KVStoreTimeout(Exception):
+    """No reply within the timeout (the daemon is down or overloaded)."""
+
+
+class KVClient:
+    """One outstanding call at a time. Replies to earlier, timed-out calls are skipped by id."""
+
+    def __init__(self, endpoint: str, timeout_s: float = 10.0) -> None:
+        self.endpoint = endpoint
+        self.timeout_ms = int(timeout_s * 1000)
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(endpoint)
+        self._ids = itertools.count(1)
+
+    def call(self, body: p.Request) -> p.ReplyBody:
+        """Sends ``body`` and returns the reply body; raises ``KVStoreError`` on an Error reply."""
+        reply = self.call_raw(p.encode(p.Call(p.PROTOCOL_VERSION, next(self._ids), body)))
+        if isinstance(reply.body, p.Error):
+            raise KVStoreError(reply.body.code, reply.body.message)
+        return reply.body
+
+    def call_raw(self, *frames: bytes) -> p.Reply:
+        """Sends raw frames (tests use it for garbage) and waits for the matching reply."""
+        call_id = p.peek_header(frames[0])[1] if len(frames) == 1 else None
+        self._sock.send_multipart(list(frames))
+        while True:
+            if not self._sock.poll(self.timeout_ms):
+                raise KVStoreTimeout(f"no reply from {self.endpoint} in {self.timeout_ms} ms")
+            reply = p.decode_reply(self._sock.recv())
+            if call_id is None or reply.call_id in (call_id, 0):
+                return reply
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def __enter__(self) -> KVClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

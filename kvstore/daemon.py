@@ -1,0 +1,201 @@
+"""``pagedserve kvstore``: the KV-cache daemon process.
+
+One thread: a ZeroMQ ROUTER socket polled with a short timeout; each frame is decoded, handled
+by ``KVService`` and answered (errors included: a malformed frame, a wrong protocol version or a
+handler failure get an ``Error`` reply and the loop goes on). Between frames it expires leases.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+import zmq
+
+from kvstore import protocol as p
+from kvstore.manager import KVCacheManager
+from kvstore.service import KVService
+
+log = logging.getLogger("pagedserve.kvstore")
+DEFAULT_ENDPOINT = "ipc:///tmp/pagedserve-kvstore.sock"
+
+
+@dataclass(frozen=True)
+class KVStoreConfig:
+    model: str = field(
+        default="tiny",
+        metadata={
+            "help": "local Hugging Face checkpoint directory whose config gives the KV geometry, "
+            "or 'tiny' (the random-weight test model)"
+        },
+    )
+    dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "KV dtype; 'auto' takes the model config's",
+            "choices": ["auto", "float32", "float16", "bfloat16"],
+        },
+    )
+    device: str = field(
+        default="auto",
+        metadata={
+            "help": "where the pool lives: 'cuda', 'cuda:N', 'cpu' (a /dev/shm file) or 'auto'"
+        },
+    )
+    block_size: int = field(default=16, metadata={"help": "tokens per KV block (a power of two)"})
+    kv_memory: str = field(
+        default="auto",
+        metadata={
+            "help": "GPU pool size: GiB ('8', '8GiB') or a fraction of free memory ('0.5'); 'auto' "
+            "is 0.5 of free GPU memory on CUDA and 1 GiB on CPU"
+        },
+    )
+    swap_memory: str = field(
+        default="4GiB",
+        metadata={
+            "help": "CPU swap tier size (pinned host memory on CUDA hosts); '0' disables swapping"
+        },
+    )
+    endpoint: str = field(
+        default=DEFAULT_ENDPOINT,
+        metadata={"help": "ZeroMQ endpoint to bind: ipc:///path or tcp://host:port"},
+    )
+    lease_timeout_s: float = field(
+        default=10.0,
+        metadata={"help": "a worker silent this long is dead; its requests become orphans"},
+    )
+    orphan_grace_s: float = field(
+        default=60.0,
+        metadata={
+            "help": "orphaned requests keep their blocks this long for another worker to adopt"
+        },
+    )
+    calibrate: bool = field(
+        default=True,
+        metadata={"help": "measure swap bandwidth at startup (the swap side of the cost model)"},
+    )
+    log_level: str = field(default="INFO", metadata={"help": "logging level"})
+
+
+def resolve_device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def build_service(config: KVStoreConfig) -> tuple[KVService, object]:
+    """Allocates the pools (the slow part: progress is logged) and wires the service."""
+    os.environ.setdefault(
+        "PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False"
+    )  # CUDA IPC needs it
+    from kvstore.device import DevicePools, blocks_for_memory
+    from pagedserve.model_config import kv_geometry, load_config
+
+    device = resolve_device(config.device)
+    geometry = kv_geometry(load_config(config.model), config.dtype)
+    block_bytes = geometry.block_bytes(config.block_size)
+    kv_memory = (
+        config.kv_memory
+        if config.kv_memory != "auto"
+        else ("0.5" if device.startswith("cuda") else "1GiB")
+    )
+    num_blocks = blocks_for_memory(kv_memory, block_bytes, device)
+    swap_spec = config.swap_memory.strip().lower().removesuffix("gib").removesuffix("gb")
+    num_cpu_blocks = int(float(swap_spec) * (1 << 30)) // block_bytes
+    if num_blocks < 1:
+        raise SystemExit(f"--kv-memory {config.kv_memory} holds no block of {block_bytes} bytes")
+    log.info(
+        "model %s: %s, block %d tokens = %d bytes",
+        config.model,
+        geometry,
+        config.block_size,
+        block_bytes,
+    )
+    pools = DevicePools(geometry, config.block_size, num_blocks, num_cpu_blocks, device)
+    manager = KVCacheManager(num_blocks, num_cpu_blocks, config.block_size)
+    if config.calibrate and num_cpu_blocks:
+        manager.calibration = pools.calibrate()
+        if manager.calibration is not None:
+            out_bw, in_bw = manager.calibration.bandwidth_gbps()
+            log.info("swap calibration: out %.2f GB/s, in %.2f GB/s", out_bw, in_bw)
+    service = KVService(manager, pools, config.lease_timeout_s, config.orphan_grace_s)
+    return service, pools
+
+
+class Daemon:
+    def __init__(self, service: KVService, endpoint: str) -> None:
+        self.service = service
+        self.endpoint = endpoint
+        self.stopping = False
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(endpoint)
+
+    def reply_to(self, frames: list[bytes]) -> bytes:
+        """The encoded reply to one received message (never raises)."""
+        version, call_id = None, 0
+        try:
+            if len(frames) != 1:
+                raise ValueError(f"expected one payload frame, got {len(frames)}")
+            version, peeked_id = p.peek_header(frames[0])
+            call_id = peeked_id or 0
+            if version is not None and version != p.PROTOCOL_VERSION:
+                body: p.ReplyBody = p.Error(
+                    "version", f"protocol version {version} is not {p.PROTOCOL_VERSION}"
+                )
+            else:
+                call = p.decode_call(frames[0])
+                body = self.service.handle(call.body)
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as err:
+            body = p.Error("bad_message", f"cannot decode the message: {err}")
+        except Exception as err:  # the daemon keeps serving whatever a handler does
+            log.exception("handler failed")
+            body = p.Error("internal", f"{type(err).__name__}: {err}")
+        return p.encode(p.Reply(p.PROTOCOL_VERSION, call_id, body))
+
+    def serve_forever(self) -> None:
+        log.info("kvstore serving on %s", self.endpoint)
+        last_tick = time.monotonic()
+        while not self.stopping:
+            if self.sock.poll(100):
+                identity, *frames = self.sock.recv_multipart()
+                self.sock.send_multipart([identity, self.reply_to(frames)])
+            if time.monotonic() - last_tick >= 0.5:
+                self.service.tick()
+                last_tick = time.monotonic()
+
+    def close(self) -> None:
+        self.sock.close()
+        self.ctx.term()
+        if self.endpoint.startswith("ipc://"):
+            path = self.endpoint.removeprefix("ipc://")
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+def run(config: KVStoreConfig) -> None:
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    service, pools = build_service(config)
+    daemon = Daemon(service, config.endpoint)
+
+    def stop(signum: int, _frame: object) -> None:
+        log.info("signal %d: shutting down", signum)
+        daemon.stopping = True
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        daemon.serve_forever()
+    finally:
+        daemon.close()
+        pools.close()  # type: ignore[attr-defined]
+        log.info("kvstore stopped")

@@ -1,0 +1,409 @@
+"""KVCacheManager: request -> block tables over one GPU ``BlockPool``, a ``PrefixIndex`` and a CPU
+``SwapSpace``. Pure Python, no torch; the daemon's single-threaded loop is its only caller.
+
+Contracts:
+- A request's tokens are ``token_ids``; the KV of ``token_ids[:num_computed]`` is written. The
+  worker reports ``num_computed`` in ``append``; full blocks are registered in the prefix index
+  only once computed, so no request can hit a block whose bytes are not there yet.
+- Copy-on-write: before a block that is shared (ref > 1) or registered in the index is written,
+  ``append`` swaps it for a fresh block and returns the ``(src, dst)`` copy. **The caller (the
+  compute worker) performs the copy** on its own stream before the forward that writes the block:
+  ordered with its writes, no cross-process synchronisation.
+- Swap: ``preempt``/``resume`` return a ``TransferPlan``; **the daemon executes it before its next
+  call into the manager** (the manager has already released the source ids).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from kvstore.block_pool import BlockPool, NoFreeBlocks, SwapSpace
+from kvstore.cost_model import DecisionLog, SwapCalibration, choose
+from kvstore.integrity import check_integrity
+from kvstore.prefix_index import PrefixIndex, content_hash, index_key
+
+
+class KVError(Exception):
+    """A per-request failure; ``code`` is one of the protocol's error codes."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Status(Enum):
+    RUNNING = "running"
+    SWAPPED = "swapped"  # bytes in the CPU tier
+    DROPPED = "dropped"  # preempted for recompute: no blocks
+
+
+@dataclass
+class Request:
+    req_id: str
+    worker: str
+    salt: bytes | None
+    token_ids: list[int]
+    num_computed: int = 0
+    block_ids: list[int] = field(default_factory=list)  # GPU blocks while running
+    cpu_block_ids: list[int] = field(default_factory=list)  # while swapped
+    contents: list[bytes] = field(default_factory=list)  # content hash per full known block
+    keys: list[bytes] = field(default_factory=list)  # prefix-index key per full known block
+    num_registered: int = 0  # leading computed full blocks already offered to the index
+    status: Status = Status.RUNNING
+    num_cached_tokens: int = 0
+    preemptions: int = 0
+    decision_id: int | None = None
+    orphaned_at: float | None = None
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A request's block table after admit/resume/adopt; the worker computes from num_computed."""
+
+    req_id: str
+    block_ids: list[int]
+    num_computed: int
+    num_cached_tokens: int
+
+
+@dataclass(frozen=True)
+class Growth:
+    """What an append changed: blocks added at the table's end, and copy-on-write replacements
+    ``(position in the table, src block, dst block)`` whose copy the caller performs first."""
+
+    req_id: str
+    new_block_ids: list[int]
+    copies: list[tuple[int, int, int]]
+
+
+@dataclass
+class TransferPlan:
+    """Block copies between tiers for the daemon to run: ``(gpu block, cpu block)`` pairs."""
+
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, gpu block)
+    decisions: dict[int, int] = field(default_factory=dict)  # decision id -> blocks moved
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int = 16) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_gpu_blocks)
+        self.swap = SwapSpace(num_cpu_blocks)
+        self.index = PrefixIndex(block_size)
+        self.decisions = DecisionLog()
+        self.requests: dict[str, Request] = {}
+        self.calibration: SwapCalibration | None = None
+        self.prefill_profiles: dict[str, list[tuple[int, float]]] = {}
+
+    # ------------------------------------------------------------------ admission
+    def admit(
+        self, req_id: str, worker: str, token_ids: list[int], salt: bytes | None
+    ) -> Placement:
+        """New request: reuse its longest cached prefix, allocate blocks for every other token."""
+        if req_id in self.requests:
+            raise KVError("duplicate_request", f"request {req_id!r} already exists")
+        if not token_ids:
+            raise KVError("bad_argument", "a request needs at least one token")
+        if cdiv(len(token_ids), self.block_size) > self.pool.num_blocks:
+            raise KVError(
+                "bad_argument",
+                f"{len(token_ids)} tokens need more blocks than the pool's {self.pool.num_blocks}",
+            )
+        request = Request(req_id, worker, salt, list(token_ids))
+        self._extend_hashes(request)
+        placement = self._place(request, record=True)
+        self.requests[req_id] = request
+        return placement
+
+    def adopt(
+        self, req_id: str, worker: str, token_ids: list[int]
+    ) -> tuple[Placement, TransferPlan]:
+        """A worker takes over an orphaned request (its worker died). The stored tokens are cut
+        to their longest common prefix with ``token_ids`` (what the new worker read back from the
+        output stream); the worker appends the rest. A preempted request is resumed."""
+        request = self._get(req_id)
+        if request.orphaned_at is None and request.worker != worker:
+            raise KVError("conflict", f"request {req_id!r} is held by live worker {request.worker}")
+        request.worker, request.orphaned_at = worker, None
+        common = 0
+        for mine, theirs in zip(request.token_ids, token_ids, strict=False):
+            if mine != theirs:
+                break
+            common += 1
+        if common == 0:
+            raise KVError(
+                "bad_argument", f"tokens of {req_id!r} share no prefix with the kvstore's"
+            )
+        self._truncate(request, common)
+        if request.status is not Status.RUNNING:
+            return self._resume_one(request)
+        placement = Placement(
+            req_id, list(request.block_ids), request.num_computed, request.num_cached_tokens
+        )
+        return placement, TransferPlan()
+
+    def _place(self, request: Request, record: bool) -> Placement:
+        """Prefix lookup + allocation of the rest; sets the request RUNNING. All or nothing."""
+        hit = self.index.lookup(request.keys, request.contents, len(request.token_ids), record)
+        needed = cdiv(len(request.token_ids), self.block_size) - len(hit.blocks)
+        evictable_hits = sum(1 for b in hit.blocks if self.pool.ref_counts[b] == 0)
+        if needed > self.pool.num_available - evictable_hits:
+            raise KVError("no_space", f"need {needed} blocks, {self.pool.num_available} available")
+        for block in hit.blocks:
+            self.pool.ref(block)
+        request.block_ids = hit.blocks + self._allocate(needed)
+        request.num_computed = len(hit.blocks) * self.block_size
+        request.num_registered = len(hit.blocks)
+        if record:  # the hit the client sees is the one at admission
+            request.num_cached_tokens = request.num_computed
+        request.status = Status.RUNNING
+        return Placement(
+            request.req_id, list(request.block_ids), request.num_computed, request.num_cached_tokens
+        )
+
+    # ------------------------------------------------------------------ growth
+    def append(
+        self, req_id: str, worker: str, new_token_ids: list[int], num_computed: int
+    ) -> Growth:
+        """Adds tokens and records that the KV of the first ``num_computed`` tokens is written.
+        Allocates blocks for the new tokens and private copies of shared blocks about to be
+        written; registers newly computed full blocks in the prefix index. All or nothing."""
+        request = self._owned(req_id, worker, Status.RUNNING)
+        if not request.num_computed <= num_computed <= len(request.token_ids):
+            raise KVError(
+                "bad_argument",
+                f"num_computed {num_computed} outside [{request.num_computed}, "
+                f"{len(request.token_ids)}] for {req_id!r}",
+            )
+        new_len = len(request.token_ids) + len(new_token_ids)
+        first = num_computed // self.block_size
+        last = min(cdiv(new_len, self.block_size), len(request.block_ids))
+        to_copy = [i for i in range(first, last) if self._must_copy(request.block_ids[i])]
+        grow = cdiv(new_len, self.block_size) - len(request.block_ids)
+        if grow + len(to_copy) > self.pool.num_available:
+            raise KVError(
+                "no_space",
+                f"{req_id!r} needs {grow + len(to_copy)} blocks, "
+                f"{self.pool.num_available} available",
+            )
+        copies = []
+        for position, dst in zip(to_copy, self._allocate(len(to_copy)), strict=True):
+            src = request.block_ids[position]
+            self.pool.release([src])
+            request.block_ids[position] = dst
+            copies.append((position, src, dst))
+        new_blocks = self._allocate(grow)
+        request.block_ids.extend(new_blocks)
+        request.token_ids.extend(new_token_ids)
+        request.num_computed = num_computed
+        self._extend_hashes(request)
+        self._register_computed(request)
+        return Growth(req_id, new_blocks, copies)
+
+    def _must_copy(self, block: int) -> bool:
+        return self.pool.ref_counts[block] > 1 or self.pool.cached[block]
+
+    def fork(self, parent_id: str, worker: str, child_id: str) -> Placement:
+        """The child shares every block of the parent (ref + 1 each): tokens, computed count and
+        hashes are copied. The first write into a shared block copies it (see ``append``)."""
+        parent = self._owned(parent_id, worker, Status.RUNNING)
+        if child_id in self.requests:
+            raise KVError("duplicate_request", f"request {child_id!r} already exists")
+        for block in parent.block_ids:
+            self.pool.ref(block)
+        self.requests[child_id] = Request(
+            child_id,
+            worker,
+            parent.salt,
+            list(parent.token_ids),
+            parent.num_computed,
+            list(parent.block_ids),
+            contents=list(parent.contents),
+            keys=list(parent.keys),
+            num_registered=parent.num_registered,
+            num_cached_tokens=parent.num_cached_tokens,
+        )
+        return Placement(
+            child_id, list(parent.block_ids), parent.num_computed, parent.num_cached_tokens
+        )
+
+    def free(self, req_id: str, worker: str | None) -> None:
+        """Drops the request and its blocks (GPU blocks keep their cache entries in the LRU).
+        ``worker`` None frees regardless of owner (lease reclamation, admin)."""
+        request = self._get(req_id) if worker is None else self._owned(req_id, worker, None)
+        self.pool.release(request.block_ids)
+        self.swap.release(request.cpu_block_ids)
+        del self.requests[req_id]
+
+    # ------------------------------------------------------------------ preemption
+    def preempt(
+        self, req_ids: list[str], worker: str, now: float
+    ) -> tuple[list[str], TransferPlan]:
+        """Preempts running requests, each by swap or recompute per the cost model. Returns the
+        mode per request and the swap-out plan, which must run before the next manager call."""
+        modes, plan = [], TransferPlan()
+        for req_id in req_ids:
+            modes.append(self._preempt_one(self._owned(req_id, worker, Status.RUNNING), now, plan))
+        return modes, plan
+
+    def _preempt_one(self, request: Request, now: float, plan: TransferPlan) -> str:
+        blocks = request.block_ids
+        choice = choose(
+            len(blocks),
+            request.num_computed,
+            self.calibration,
+            self.prefill_profiles.get(request.worker, []),
+            self.swap.num_free,
+        )
+        decision = self.decisions.record(
+            request.req_id, now, len(blocks), request.num_computed, choice
+        )
+        request.decision_id = decision.id
+        request.preemptions += 1
+        if choice.mode == "swap":
+            request.cpu_block_ids = self.swap.allocate(len(blocks))
+            plan.swap_out.extend(zip(blocks, request.cpu_block_ids, strict=True))
+            plan.decisions[decision.id] = len(blocks)
+            request.status = Status.SWAPPED
+        else:
+            request.status = Status.DROPPED
+            request.num_computed = 0
+        self.pool.release(blocks)
+        request.block_ids = []
+        request.num_registered = 0
+        return choice.mode
+
+    def resume(self, req_id: str, worker: str) -> tuple[Placement, TransferPlan]:
+        """Gives a preempted request blocks again. Swapped: cached prefix blocks are reused, the
+        rest swapped in (plan). Dropped: like admission; the worker recomputes from num_computed."""
+        request = self._owned(req_id, worker, None)
+        if request.status is Status.RUNNING:
+            raise KVError("wrong_state", f"request {req_id!r} is running")
+        return self._resume_one(request)
+
+    def _resume_one(self, request: Request) -> tuple[Placement, TransferPlan]:
+        plan = TransferPlan()
+        if request.status is Status.DROPPED:
+            return self._place(request, record=False), plan
+        num_computed = request.num_computed
+        placement = self._place(request, record=False)
+        reused = placement.num_computed // self.block_size
+        plan.swap_in = list(
+            zip(request.cpu_block_ids[reused:], request.block_ids[reused:], strict=True)
+        )
+        if request.decision_id is not None:
+            plan.decisions[request.decision_id] = len(plan.swap_in)
+        self.swap.release(request.cpu_block_ids)
+        request.cpu_block_ids = []
+        request.num_computed = max(num_computed, placement.num_computed)
+        self._register_computed(request)
+        placement = Placement(
+            request.req_id,
+            list(request.block_ids),
+            request.num_computed,
+            placement.num_cached_tokens,
+        )
+        return placement, plan
+
+    # ------------------------------------------------------------------ leases and admin
+    def orphan_worker(self, worker: str, now: float) -> list[str]:
+        """Marks a dead worker's requests orphaned; they keep their blocks until reclaimed."""
+        orphaned = [
+            r for r in self.requests.values() if r.worker == worker and r.orphaned_at is None
+        ]
+        for request in orphaned:
+            request.orphaned_at = now
+        return [r.req_id for r in orphaned]
+
+    def reclaim_orphans(self, now: float, grace_s: float) -> list[str]:
+        """Frees requests orphaned for longer than ``grace_s``."""
+        expired = [
+            r.req_id
+            for r in self.requests.values()
+            if r.orphaned_at is not None and now - r.orphaned_at >= grace_s
+        ]
+        for req_id in expired:
+            self.free(req_id, None)
+        return expired
+
+    def reset_prefix_cache(self) -> int:
+        """Unregisters every cached block (idle ones become free). Returns how many."""
+        blocks = self.index.clear()
+        for block in blocks:
+            self.pool.mark_uncached(block)
+        for request in self.requests.values():
+            request.num_registered = request.num_computed // self.block_size
+        return len(blocks)
+
+    def check_integrity(self) -> None:
+        """Raises AssertionError unless every block is in exactly one state, ref counts equal the
+        number of block-table entries naming each block, cache flags match the index, and every
+        request's table fits its tokens."""
+        check_integrity(self)
+
+    # ------------------------------------------------------------------ internals
+    def _get(self, req_id: str) -> Request:
+        request = self.requests.get(req_id)
+        if request is None:
+            raise KVError("unknown_request", f"unknown request {req_id!r}")
+        return request
+
+    def _owned(self, req_id: str, worker: str, status: Status | None) -> Request:
+        request = self._get(req_id)
+        if request.worker != worker:
+            raise KVError("not_owner", f"request {req_id!r} belongs to worker {request.worker}")
+        if status is not None and request.status is not status:
+            raise KVError("wrong_state", f"request {req_id!r} is {request.status.value}")
+        return request
+
+    def _allocate(self, n: int) -> list[int]:
+        try:
+            blocks, evicted = self.pool.allocate(n)
+        except NoFreeBlocks as exc:  # callers check first; this is a guard
+            raise KVError("no_space", str(exc)) from exc
+        for block in evicted:
+            self.index.remove_block(block, evicted=True)
+        return blocks
+
+    def _extend_hashes(self, request: Request) -> None:
+        """Hashes every full block of known tokens not hashed yet."""
+        bs = self.block_size
+        for i in range(len(request.contents), len(request.token_ids) // bs):
+            parent = request.contents[i - 1] if i else b""
+            content = content_hash(parent, request.token_ids[i * bs : (i + 1) * bs])
+            request.contents.append(content)
+            request.keys.append(index_key(content, request.salt))
+
+    def _register_computed(self, request: Request) -> None:
+        """Offers newly computed full blocks to the prefix index (duplicates stay unregistered)."""
+        for i in range(request.num_registered, request.num_computed // self.block_size):
+            block = request.block_ids[i]
+            parent = request.keys[i - 1] if i else None
+            if self.index.register(block, request.keys[i], request.contents[i], parent, i):
+                self.pool.mark_cached(block)
+        request.num_registered = max(
+            request.num_registered, request.num_computed // self.block_size
+        )
+
+    def _truncate(self, request: Request, length: int) -> None:
+        """Forgets tokens past ``length`` and the blocks no longer needed."""
+        if length >= len(request.token_ids):
+            return
+        keep_blocks = cdiv(length, self.block_size)
+        del request.token_ids[length:]
+        del request.contents[length // self.block_size :]
+        del request.keys[length // self.block_size :]
+        request.num_computed = min(request.num_computed, length)
+        request.num_registered = min(request.num_registered, length // self.block_size)
+        if request.status is Status.RUNNING:
+            self.pool.release(request.block_ids[keep_blocks:])
+            del request.block_ids[keep_blocks:]
+        elif request.status is Status.SWAPPED:
+            self.swap.release(request.cpu_block_ids[keep_blocks:])
+            del request.cpu_block_ids[keep_blocks:]

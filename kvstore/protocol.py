@@ -1,0 +1,310 @@
+"""Every message between the kvstore daemon and its clients: msgspec Structs on MessagePack.
+
+Wire: a ZeroMQ DEALER (client) -> ROUTER (daemon); one frame of payload per message. A call is a
+``Call`` envelope carrying a ``version``, a client-chosen ``call_id`` and one request body; the
+answer is a ``Reply`` with the same ``call_id`` and one reply body, ``Error`` included. Structs
+are tagged (``type`` = class name) and array-encoded, so a step carrying 256 requests stays small.
+No pickle anywhere. Torch-free.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+
+class _Msg(msgspec.Struct, array_like=True, forbid_unknown_fields=True, tag=True):
+    """A message body: tagged with its class name."""
+
+
+class _Item(msgspec.Struct, array_like=True, forbid_unknown_fields=True, gc=False):
+    """A part of a body (untagged, not tracked by the GC: half the codec time of a body)."""
+
+
+# ---------------------------------------------------------------- pool description
+class CudaIpcHandle(_Item):
+    """What ``UntypedStorage._share_cuda_()`` yields, plus the GPU's UUID (device indices differ
+    between processes with different ``CUDA_VISIBLE_DEVICES``)."""
+
+    device_uuid: str
+    handle: bytes
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+
+
+class PoolInfo(_Item):
+    """How a worker maps the pool: ``shm_path`` (CPU) or ``cuda`` (CUDA IPC), and its geometry.
+    Layout: ``[num_blocks, num_layers, 2 (K, V), block_size, num_kv_heads, head_dim]``."""
+
+    kind: str  # "shm" | "cuda_ipc"
+    shape: list[int]
+    dtype: str
+    block_size: int
+    shm_path: str = ""
+    cuda: CudaIpcHandle | None = None
+
+
+# ---------------------------------------------------------------- requests (client -> daemon)
+class Register(_Msg):
+    """A compute worker joins. ``prefill_profile``: its measured ``(tokens, seconds)`` prefill
+    times, the recompute side of the cost model."""
+
+    worker_id: str
+    prefill_profile: list[tuple[int, float]] = []
+    device: str = ""
+    pid: int = 0
+
+
+class Heartbeat(_Msg):
+    worker_id: str
+
+
+class Unregister(_Msg):
+    """A worker leaves cleanly: its requests are orphaned at once (another may adopt them)."""
+
+    worker_id: str
+
+
+class AdmitItem(_Item):
+    """A new request, or with ``adopt`` one whose worker died (``token_ids``: what it streamed)."""
+
+    req_id: str
+    token_ids: list[int]
+    salt: bytes | None = None
+    adopt: bool = False
+
+
+class AppendItem(_Item):
+    """``token_ids`` join the request; the KV of its first ``num_computed`` tokens is written."""
+
+    req_id: str
+    token_ids: list[int]
+    num_computed: int
+
+
+class ForkItem(_Item):
+    parent_id: str
+    child_ids: list[str]
+
+
+class CostReport(_Item):
+    """Seconds a worker spent recomputing a preempted request (actual cost of the decision)."""
+
+    req_id: str
+    seconds: float
+
+
+class Step(_Msg):
+    """One engine step's KV work, applied in this order: costs, frees, preempts, resumes, forks,
+    admits, appends. Each item succeeds or fails alone (see ``StepReply.errors``)."""
+
+    worker_id: str
+    frees: list[str] = []
+    preempts: list[str] = []
+    resumes: list[str] = []
+    forks: list[ForkItem] = []
+    admits: list[AdmitItem] = []
+    appends: list[AppendItem] = []
+    costs: list[CostReport] = []
+
+
+class GetStats(_Msg):
+    top_prefixes: int = 10
+
+
+class ResetCache(_Msg):
+    pass
+
+
+class Ping(_Msg):
+    pass
+
+
+Request = Register | Heartbeat | Unregister | Step | GetStats | ResetCache | Ping
+
+
+class Call(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    version: int
+    call_id: int
+    body: Request
+
+
+# ---------------------------------------------------------------- replies (daemon -> client)
+class Error(_Msg):
+    """``code``: bad_message | version | unknown_worker | internal."""
+
+    code: str
+    message: str
+
+
+class Ack(_Msg):
+    pass
+
+
+class Registered(_Msg):
+    pool: PoolInfo
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+    lease_timeout_s: float
+
+
+class Placed(_Item):
+    """A block table after admit / adopt / resume / fork. Compute from ``num_computed``."""
+
+    req_id: str
+    block_ids: list[int]
+    num_computed: int
+    num_cached_tokens: int
+
+
+class Grown(_Item):
+    """Blocks appended to the table, and copy-on-write ``(table position, src, dst)`` copies
+    the worker performs before its forward writes them."""
+
+    req_id: str
+    new_block_ids: list[int]
+    copies: list[tuple[int, int, int]]
+
+
+class ItemError(_Item):
+    """``code``: no_space | unknown_request | duplicate_request | not_owner | wrong_state |
+    conflict | bad_argument."""
+
+    req_id: str
+    op: str
+    code: str
+    message: str
+
+
+class StepReply(_Msg):
+    preempted: list[tuple[str, str]] = []  # (req_id, "swap" | "recompute")
+    resumed: list[Placed] = []
+    forked: list[Placed] = []
+    admitted: list[Placed] = []
+    appended: list[Grown] = []  # only the requests whose table changed
+    errors: list[ItemError] = []
+
+
+class TierStats(_Item):
+    total: int
+    free: int
+    used: int
+    cached: int
+
+
+class PrefixRow(_Item):
+    key: str
+    tokens: int
+    hits: int
+    block: int
+    tier: str
+
+
+class RequestRow(_Item):
+    req_id: str
+    worker: str
+    status: str
+    tokens: int
+    num_computed: int
+    gpu_blocks: int
+    cpu_blocks: int
+    cached_tokens: int
+    preemptions: int
+    orphaned: bool
+
+
+class DecisionRow(_Item):
+    id: int
+    req_id: str
+    at: float
+    mode: str
+    reason: str
+    blocks: int
+    tokens: int
+    predicted_swap_s: float | None
+    predicted_recompute_s: float | None
+    actual_s: float | None
+
+
+class Calibration(_Item):
+    block_bytes: int
+    swap_out_fixed_s: float
+    swap_out_per_block_s: float
+    swap_in_fixed_s: float
+    swap_in_per_block_s: float
+    samples: list[tuple[int, float, float]]  # (blocks, out seconds, in seconds)
+
+
+class WorkerRow(_Item):
+    worker_id: str
+    idle_s: float
+    requests: int
+    prefill_profile: list[tuple[int, float]]
+
+
+class Stats(_Msg):
+    block_size: int
+    block_bytes: int
+    gpu: TierStats
+    cpu: TierStats
+    prefix_lookups: int
+    prefix_queried_tokens: int
+    prefix_hit_tokens: int
+    prefix_stops: dict[str, int]
+    top_prefixes: list[PrefixRow]
+    requests: list[RequestRow]
+    workers: list[WorkerRow]
+    calibration: Calibration | None
+    decisions: list[DecisionRow]
+    preemptions: dict[str, int]
+
+
+class CacheReset(_Msg):
+    blocks: int
+
+
+class Pong(_Msg):
+    uptime_s: float
+
+
+ReplyBody = Error | Ack | Registered | StepReply | Stats | CacheReset | Pong
+
+
+class Reply(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    version: int
+    call_id: int
+    body: ReplyBody
+
+
+_call_decoder = msgspec.msgpack.Decoder(Call)
+_reply_decoder = msgspec.msgpack.Decoder(Reply)
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(message: Call | Reply) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode_call(data: bytes) -> Call:
+    """Raises ``msgspec.DecodeError``/``ValidationError`` on anything that is not a ``Call``."""
+    return _call_decoder.decode(data)
+
+
+def decode_reply(data: bytes) -> Reply:
+    return _reply_decoder.decode(data)
+
+
+def peek_header(data: bytes) -> tuple[int | None, int | None]:
+    """``(version, call_id)`` of a frame that failed to decode, if it gets that far."""
+    try:
+        head = msgspec.msgpack.decode(data)
+    except msgspec.DecodeError:
+        return None, None
+    if isinstance(head, list) and len(head) >= 2 and all(isinstance(x, int) for x in head[:2]):
+        return head[0], head[1]
+    return None, None

@@ -1,0 +1,206 @@
+"""The daemon's request handlers: one ``KVService`` turns protocol bodies into manager calls.
+
+Torch-free: the pool side is any object with ``swap_out``/``swap_in`` returning seconds and an
+``export()`` (``kvstore.device.DevicePools`` in the daemon). Called only from the daemon's
+single-threaded loop, so the manager is never touched concurrently.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+from kvstore import protocol as p
+from kvstore.leases import Leases, Worker
+from kvstore.manager import KVCacheManager, KVError, TransferPlan
+from kvstore.stats import build_stats
+
+log = logging.getLogger("pagedserve.kvstore")
+
+
+class Mover(Protocol):
+    block_bytes: int
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> float: ...
+    def swap_in(self, pairs: list[tuple[int, int]]) -> float: ...
+    def export(self) -> p.PoolInfo: ...
+
+
+class KVService:
+    def __init__(
+        self,
+        manager: KVCacheManager,
+        mover: Mover,
+        lease_timeout_s: float,
+        orphan_grace_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.manager, self.mover, self.clock = manager, mover, clock
+        self.leases = Leases(lease_timeout_s)
+        self.orphan_grace_s = orphan_grace_s
+        self.started = clock()
+        self._pool_info = mover.export()
+
+    # ------------------------------------------------------------------ dispatch
+    def handle(self, body: p.Request) -> p.ReplyBody:
+        now = self.clock()
+        match body:
+            case p.Step():
+                if not self.leases.touch(body.worker_id, now):
+                    return p.Error("unknown_worker", f"worker {body.worker_id!r} must register")
+                reply = self.step(body, now)
+                self.leases.touch(body.worker_id, self.clock())
+                return reply
+            case p.Heartbeat():
+                if not self.leases.touch(body.worker_id, now):
+                    return p.Error("unknown_worker", f"worker {body.worker_id!r} must register")
+                return p.Ack()
+            case p.Register():
+                return self.register(body, now)
+            case p.Unregister():
+                self.leases.remove(body.worker_id)
+                orphaned = self.manager.orphan_worker(body.worker_id, now)
+                log.info("worker %s left; %d requests orphaned", body.worker_id, len(orphaned))
+                return p.Ack()
+            case p.GetStats():
+                return build_stats(self, body.top_prefixes, now)
+            case p.ResetCache():
+                blocks = self.manager.reset_prefix_cache()
+                log.info("prefix cache reset: %d blocks unregistered", blocks)
+                return p.CacheReset(blocks)
+            case p.Ping():
+                return p.Pong(now - self.started)
+        return p.Error("bad_message", f"unhandled message {type(body).__name__}")
+
+    def register(self, body: p.Register, now: float) -> p.Registered:
+        self.leases.register(
+            Worker(
+                body.worker_id,
+                now,
+                now,
+                list(body.prefill_profile),
+                {"device": body.device, "pid": str(body.pid)},
+            )
+        )
+        if body.prefill_profile:
+            self.manager.prefill_profiles[body.worker_id] = list(body.prefill_profile)
+        log.info(
+            "worker %s registered (pid %d, %s, %d prefill points)",
+            body.worker_id,
+            body.pid,
+            body.device,
+            len(body.prefill_profile),
+        )
+        return p.Registered(
+            self._pool_info,
+            self.manager.pool.num_blocks,
+            self.manager.swap.num_blocks,
+            self.leases.timeout_s,
+        )
+
+    def tick(self) -> None:
+        """Expires leases of silent workers and frees requests orphaned past the grace period."""
+        now = self.clock()
+        for worker in self.leases.expire(now):
+            orphaned = self.manager.orphan_worker(worker, now)
+            log.warning(
+                "worker %s lease expired; %d requests orphaned for %.0f s",
+                worker,
+                len(orphaned),
+                self.orphan_grace_s,
+            )
+        reclaimed = self.manager.reclaim_orphans(now, self.orphan_grace_s)
+        if reclaimed:
+            log.warning("reclaimed %d orphaned requests: %s", len(reclaimed), reclaimed[:8])
+
+    # ------------------------------------------------------------------ the per-step call
+    def step(self, body: p.Step, now: float) -> p.StepReply:
+        m, worker, reply = self.manager, body.worker_id, p.StepReply()
+
+        def attempt(req_id: str, op: str, fn: Callable[[], None]) -> None:
+            try:
+                fn()
+            except KVError as err:
+                reply.errors.append(p.ItemError(req_id, op, err.code, str(err)))
+
+        for cost in body.costs:
+            attempt(cost.req_id, "cost", lambda c=cost: self._report_cost(c))
+        for req_id in body.frees:
+            attempt(req_id, "free", lambda r=req_id: m.free(r, worker))
+        for req_id in body.preempts:
+            attempt(req_id, "preempt", lambda r=req_id: self._preempt(r, worker, now, reply))
+        for req_id in body.resumes:
+            attempt(req_id, "resume", lambda r=req_id: self._resume(r, worker, reply))
+        for fork in body.forks:
+            for child in fork.child_ids:
+                attempt(
+                    child,
+                    "fork",
+                    lambda f=fork, c=child: reply.forked.append(
+                        _placed(m.fork(f.parent_id, worker, c))
+                    ),
+                )
+        for item in body.admits:
+            attempt(item.req_id, "admit", lambda i=item: self._admit(i, worker, reply))
+        for item in body.appends:
+            attempt(item.req_id, "append", lambda i=item: self._append(i, worker, reply))
+        return reply
+
+    def _admit(self, item: p.AdmitItem, worker: str, reply: p.StepReply) -> None:
+        if item.adopt:
+            placement, plan = self.manager.adopt(item.req_id, worker, item.token_ids)
+            self._run(plan)
+        else:
+            placement = self.manager.admit(item.req_id, worker, item.token_ids, item.salt)
+        reply.admitted.append(_placed(placement))
+
+    def _append(self, item: p.AppendItem, worker: str, reply: p.StepReply) -> None:
+        growth = self.manager.append(item.req_id, worker, item.token_ids, item.num_computed)
+        if growth.new_block_ids or growth.copies:
+            reply.appended.append(p.Grown(item.req_id, growth.new_block_ids, growth.copies))
+
+    def _preempt(self, req_id: str, worker: str, now: float, reply: p.StepReply) -> None:
+        (mode,), plan = self.manager.preempt([req_id], worker, now)
+        self._run(plan)
+        reply.preempted.append((req_id, mode))
+
+    def _resume(self, req_id: str, worker: str, reply: p.StepReply) -> None:
+        placement, plan = self.manager.resume(req_id, worker)
+        self._run(plan)
+        reply.resumed.append(_placed(placement))
+
+    def _run(self, plan: TransferPlan) -> None:
+        """Executes a swap plan now, before any other manager call may reuse its source blocks."""
+        seconds = 0.0
+        if plan.swap_out:
+            seconds += self.mover.swap_out(plan.swap_out)
+        if plan.swap_in:
+            seconds += self.mover.swap_in(plan.swap_in)
+        moved = sum(plan.decisions.values())
+        for decision_id, blocks in plan.decisions.items():
+            share = seconds * blocks / moved if moved else 0.0
+            self.manager.decisions.add_actual(decision_id, share)
+        if plan.swap_out or plan.swap_in:
+            log.info(
+                "swap: %d blocks out, %d in, %.2f ms",
+                len(plan.swap_out),
+                len(plan.swap_in),
+                seconds * 1e3,
+            )
+
+    def _report_cost(self, cost: p.CostReport) -> None:
+        request = self.manager.requests.get(cost.req_id)
+        if request is None or request.decision_id is None:
+            raise KVError("unknown_request", f"no preemption decision for {cost.req_id!r}")
+        self.manager.decisions.add_actual(request.decision_id, cost.seconds)
+
+
+def _placed(placement: object) -> p.Placed:
+    return p.Placed(
+        placement.req_id,
+        placement.block_ids,
+        placement.num_computed,  # type: ignore[attr-defined]
+        placement.num_cached_tokens,
+    )  # type: ignore[attr-defined]

@@ -1,0 +1,122 @@
+"""``pagedserve``: one console script, a subcommand per process.
+
+- ``pagedserve kvstore``: the KV-cache daemon.
+- ``pagedserve up``: everything that exists so far (an embedded Redis and the kvstore), until
+  Ctrl-C. Compute workers and the gateway join it in later releases.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+from kvstore.daemon import DEFAULT_ENDPOINT, KVStoreConfig
+from pagedserve.config import add_arguments, from_namespace
+
+log = logging.getLogger("pagedserve")
+
+
+@dataclass(frozen=True)
+class UpConfig:
+    kvstore_args: str = field(
+        default="",
+        metadata={
+            "help": 'extra flags passed to `pagedserve kvstore`, e.g. "--device cpu --kv-memory 2"'
+        },
+    )
+    endpoint: str = field(default=DEFAULT_ENDPOINT, metadata={"help": "kvstore endpoint"})
+    startup_timeout_s: float = field(
+        default=120.0, metadata={"help": "how long to wait for every process to become healthy"}
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="pagedserve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    kv = sub.add_parser(
+        "kvstore",
+        help="run the KV-cache daemon",
+        description="The KV-cache daemon: owns the GPU block pool, the prefix "
+        "index, the CPU swap tier and the swap-vs-recompute cost model.",
+    )
+    add_arguments(kv, KVStoreConfig)
+    up = sub.add_parser("up", help="run the whole stack until Ctrl-C")
+    add_arguments(up, UpConfig)
+    args = parser.parse_args(argv)
+    if args.command == "kvstore":
+        from kvstore.daemon import run
+
+        run(from_namespace(KVStoreConfig, args))
+    else:
+        run_up(from_namespace(UpConfig, args))
+
+
+def wait_for_kvstore(endpoint: str, process: subprocess.Popen[bytes], timeout_s: float) -> None:
+    from kvstore import protocol as p
+    from kvstore.client import KVClient, KVStoreTimeout
+
+    client = KVClient(endpoint, timeout_s=1.0)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise SystemExit(f"kvstore exited with {process.returncode}")
+            try:
+                client.call(p.Ping())
+                return
+            except KVStoreTimeout:
+                continue
+        raise SystemExit(f"kvstore not healthy after {timeout_s} s")
+    finally:
+        client.close()
+
+
+def run_up(config: UpConfig) -> None:
+    import shlex
+
+    from pagedserve.redis_server import EmbeddedRedis
+
+    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    redis = EmbeddedRedis.start()
+    log.info("redis at %s", redis.url)
+    cmd = [
+        sys.executable,
+        "-m",
+        "pagedserve.cli",
+        "kvstore",
+        "--endpoint",
+        config.endpoint,
+        *shlex.split(config.kvstore_args),
+    ]
+    kvstore = subprocess.Popen(cmd)
+    try:
+        wait_for_kvstore(config.endpoint, kvstore, config.startup_timeout_s)
+        print(
+            f"pagedserve is up: redis {redis.url}, kvstore {config.endpoint}. Ctrl-C stops it.",
+            flush=True,
+        )
+        signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt))
+        while kvstore.poll() is None:
+            time.sleep(0.5)
+        log.error("kvstore exited with %s", kvstore.returncode)
+    except KeyboardInterrupt:
+        log.info("stopping")
+    finally:
+        if kvstore.poll() is None:
+            kvstore.send_signal(signal.SIGINT)
+            try:
+                kvstore.wait(10)
+            except subprocess.TimeoutExpired:
+                kvstore.kill()
+        redis.stop()
+
+
+if __name__ == "__main__":
+    main()

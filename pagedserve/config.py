@@ -1,0 +1,57 @@
+"""Frozen config dataclasses -> argparse, built once per process.
+
+Every option is a dataclass field with ``metadata={"help": ...}``; ``add_arguments`` turns the
+fields into ``--kebab-case`` flags and ``from_namespace`` builds the frozen config back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def _field_type(cls: type, field: dataclasses.Field[Any]) -> type:
+    hint = typing.get_type_hints(cls)[field.name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 1:
+        return args[0]
+    return hint
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
+    """Adds one ``--flag`` per field of the dataclass ``cls`` to ``parser``."""
+    group = parser.add_argument_group(cls.__name__)
+    for field in dataclasses.fields(cls):
+        flag = "--" + field.name.replace("_", "-")
+        kind = _field_type(cls, field)
+        default = field.default
+        help_text = field.metadata.get("help", "")
+        if kind is bool:
+            group.add_argument(
+                flag,
+                dest=field.name,
+                action=argparse.BooleanOptionalAction,
+                default=default,
+                help=f"{help_text} (default: {default})",
+            )
+            continue
+        choices = field.metadata.get("choices")
+        group.add_argument(
+            flag,
+            dest=field.name,
+            type=kind if kind in (int, float, str) else str,
+            default=default,
+            choices=choices,
+            help=f"{help_text} (default: {default})",
+        )
+
+
+def from_namespace(cls: type[T], ns: argparse.Namespace) -> T:
+    """Builds the frozen ``cls`` from the parsed flags (fields absent from ``ns`` keep defaults)."""
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    return cls(**{k: v for k, v in vars(ns).items() if k in names})

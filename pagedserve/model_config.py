@@ -1,0 +1,76 @@
+"""Model configs: a local Hugging Face directory, or ``tiny`` (random weights, byte tokenizer).
+
+Torch-free apart from what ``transformers`` imports lazily; the kvstore reads the KV geometry
+(layers, KV heads, head dim) from here and compute builds the model from the same config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+TINY = "tiny"
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """What the KV pool needs to know about a model."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str  # "float32" | "float16" | "bfloat16"
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    def block_bytes(self, block_size: int) -> int:
+        """Bytes of one block: K and V of ``block_size`` tokens in every layer."""
+        return self.num_layers * 2 * block_size * self.num_kv_heads * self.head_dim * self.itemsize
+
+
+def tiny_config() -> Any:
+    """A small random-weight Llama config (byte vocabulary: 256 bytes + BOS/EOS/PAD)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=259,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        bos_token_id=256,
+        eos_token_id=257,
+        pad_token_id=258,
+        tie_word_embeddings=False,
+    )
+
+
+def load_config(model: str) -> Any:
+    """The transformers config of ``model`` (``tiny`` or a local checkpoint directory)."""
+    if model == TINY:
+        return tiny_config()
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model, local_files_only=True)
+
+
+def kv_geometry(config: Any, dtype: str) -> KVGeometry:
+    """KV geometry from a transformers config; ``dtype`` 'auto' takes the config's own."""
+    text = getattr(config, "get_text_config", lambda: config)()
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    if dtype == "auto":
+        dtype = str(getattr(text, "dtype", None) or "float32").removeprefix("torch.")
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"unsupported KV dtype {dtype!r}; choose one of {sorted(DTYPE_BYTES)}")
+    return KVGeometry(
+        num_layers=text.num_hidden_layers,
+        num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+        head_dim=head_dim,
+        dtype=dtype,
+    )

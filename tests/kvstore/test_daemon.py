@@ -1,0 +1,180 @@
+"""The kvstore daemon as a real process, over its real ZeroMQ socket."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import msgspec
+import pytest
+import zmq
+
+from kvstore import protocol as p
+from kvstore.client import KVClient, KVStoreError
+from tests.conftest import start_kvstore, stop_process
+
+
+@pytest.fixture(scope="module")
+def daemon() -> Iterator[str]:
+    process, endpoint = start_kvstore(
+        "--kv-memory",
+        "0.01GiB",
+        "--swap-memory",
+        "0.005GiB",
+        "--lease-timeout-s",
+        "1",
+        "--orphan-grace-s",
+        "1",
+    )
+    yield endpoint
+    log = stop_process(process)
+    assert process.returncode == 0, log
+    assert "kvstore stopped" in log
+
+
+@pytest.fixture
+def client(daemon: str) -> Iterator[KVClient]:
+    with KVClient(daemon, timeout_s=10) as c:
+        yield c
+
+
+def register(client: KVClient, worker: str) -> p.Registered:
+    reply = client.call(p.Register(worker, [(16, 0.001), (256, 0.01)], "cpu", 1))
+    assert isinstance(reply, p.Registered)
+    return reply
+
+
+def test_register_admit_append_fork_free(client: KVClient) -> None:
+    reg = register(client, "w-basic")
+    assert reg.pool.kind == "shm" and reg.pool.shape[0] == reg.num_gpu_blocks
+    prompt = list(range(1000, 1040))
+    reply = client.call(p.Step("w-basic", admits=[p.AdmitItem("b1", prompt)]))
+    assert isinstance(reply, p.StepReply) and not reply.errors
+    [placed] = reply.admitted
+    assert len(placed.block_ids) == 3 and placed.num_cached_tokens == 0
+    # Forks run before appends in a step: b1's next write goes into block 2, now shared.
+    reply = client.call(
+        p.Step("w-basic", appends=[p.AppendItem("b1", [5], 40)], forks=[p.ForkItem("b1", ["b1.1"])])
+    )
+    assert reply.forked[0].block_ids == placed.block_ids
+    [grown] = reply.appended
+    assert grown.new_block_ids == [] and grown.copies[0][:2] == (2, placed.block_ids[2])
+    reply = client.call(p.Step("w-basic", appends=[p.AppendItem("b1", [6], 41)]))
+    assert reply.appended == []  # block 2 is private now and has room: nothing changed
+    reply = client.call(p.Step("w-basic", admits=[p.AdmitItem("b2", prompt)]))
+    assert reply.admitted[0].num_cached_tokens == 32
+    reply = client.call(p.Step("w-basic", frees=["b1", "b1.1", "b2", "nope"]))
+    assert [(e.req_id, e.code) for e in reply.errors] == [("nope", "unknown_request")]
+
+
+def test_copy_on_write_copy_comes_back_to_the_worker(client: KVClient) -> None:
+    register(client, "w-cow")
+    client.call(p.Step("w-cow", admits=[p.AdmitItem("c1", list(range(2000, 2020)))]))
+    reply = client.call(
+        p.Step("w-cow", forks=[p.ForkItem("c1", ["c1.1"])], appends=[p.AppendItem("c1", [7], 20)])
+    )
+    [grown] = reply.appended
+    position, src, dst = grown.copies[0]
+    assert position == 1 and src == reply.forked[0].block_ids[1] and dst != src
+    client.call(p.Step("w-cow", frees=["c1", "c1.1"]))
+
+
+def test_step_errors_are_per_item(client: KVClient) -> None:
+    reg = register(client, "w-err")
+    reply = client.call(
+        p.Step(
+            "w-err",
+            admits=[p.AdmitItem("e1", []), p.AdmitItem("e2", [1, 2])],
+            appends=[p.AppendItem("ghost", [1], 0)],
+        )
+    )
+    assert [(e.req_id, e.op, e.code) for e in reply.errors] == [
+        ("e1", "admit", "bad_argument"),
+        ("ghost", "append", "unknown_request"),
+    ]
+    assert [a.req_id for a in reply.admitted] == ["e2"]
+    huge = client.call(p.Step("w-err", admits=[p.AdmitItem("e3", [1] * 10_000_000)]))
+    assert huge.errors[0].code == "bad_argument" and "more blocks than" in huge.errors[0].message
+    big = client.call(
+        p.Step("w-err", admits=[p.AdmitItem("e4", [1] * 16 * (reg.num_gpu_blocks - 1))])
+    )
+    assert big.errors == [] and big.admitted[0].req_id == "e4"
+    full = client.call(p.Step("w-err", admits=[p.AdmitItem("e5", [2] * 48)]))
+    assert full.errors[0].code == "no_space"
+    client.call(p.Step("w-err", frees=["e4"]))
+    client.call(p.Step("w-err", frees=["e2"]))
+
+
+def test_bad_frames_get_error_replies_and_the_daemon_keeps_serving(daemon: str) -> None:
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(daemon)
+    cases = {
+        b"\xc1 not msgpack": "bad_message",
+        msgspec.msgpack.encode([p.PROTOCOL_VERSION, 5, ["NoSuchMessage"]]): "bad_message",
+        msgspec.msgpack.encode([p.PROTOCOL_VERSION, 6, ["Heartbeat", 12]]): "bad_message",
+        msgspec.msgpack.encode({"hello": "world"}): "bad_message",
+        p.encode(p.Call(p.PROTOCOL_VERSION + 1, 8, p.Ping())): "version",
+        p.encode(p.Call(p.PROTOCOL_VERSION, 9, p.Step("never-registered"))): "unknown_worker",
+    }
+    for frame, code in cases.items():
+        sock.send(frame)
+        assert sock.poll(5000), f"no reply to {frame!r}"
+        reply = p.decode_reply(sock.recv())
+        assert isinstance(reply.body, p.Error) and reply.body.code == code, (frame, reply)
+    sock.send_multipart([b"two", b"frames"])
+    assert sock.poll(5000)
+    assert p.decode_reply(sock.recv()).body.code == "bad_message"
+    sock.close()
+    with KVClient(daemon) as client:
+        assert isinstance(client.call(p.Ping()), p.Pong)
+
+
+def test_dead_worker_requests_are_kept_for_grace_then_reclaimed(client: KVClient) -> None:
+    register(client, "w-dies")
+    client.call(p.Step("w-dies", admits=[p.AdmitItem("d1", list(range(3000, 3050)))]))
+    client.call(p.Step("w-dies", appends=[p.AppendItem("d1", [1], 50)]))
+    # w-dies goes silent; within the lease + grace another worker adopts d1 (with one token
+    # fewer than the kvstore has: it never reached the output stream).
+    time.sleep(1.6)
+    register(client, "w-heir")
+    rows = {r.req_id: r for r in client.call(p.GetStats()).requests}
+    assert rows["d1"].orphaned
+    reply = client.call(
+        p.Step("w-heir", admits=[p.AdmitItem("d1", list(range(3000, 3050)), adopt=True)])
+    )
+    assert reply.admitted[0].num_computed == 50 and not reply.errors
+    client.call(p.Step("w-heir", admits=[p.AdmitItem("d2", list(range(4000, 4020)))]))
+    # w-heir goes silent too: after lease (1 s) + grace (1 s) both requests are reclaimed.
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        stats = client.call(p.GetStats())
+        if not any(r.req_id in ("d1", "d2") for r in stats.requests):
+            break
+        time.sleep(0.3)
+    assert not any(r.req_id in ("d1", "d2") for r in stats.requests)
+    assert stats.gpu.used == 0
+
+
+def test_stats_and_cache_reset(client: KVClient) -> None:
+    register(client, "w-stats")
+    prompt = list(range(5000, 5064))
+    client.call(p.Step("w-stats", admits=[p.AdmitItem("s1", prompt)]))
+    client.call(p.Step("w-stats", appends=[p.AppendItem("s1", [1], 64)]))
+    client.call(p.Step("w-stats", admits=[p.AdmitItem("s2", prompt)]))
+    stats = client.call(p.GetStats(5))
+    assert isinstance(stats, p.Stats)
+    assert stats.gpu.used == 4 + 1 + 1  # s1: 5 blocks; s2 shares 3, owns 1 (its 4th is recomputed)
+    assert stats.top_prefixes[0].tokens == 48 and stats.top_prefixes[0].hits == 1
+    assert stats.calibration is not None and stats.calibration.samples
+    assert {r.req_id for r in stats.requests} >= {"s1", "s2"}
+    with pytest.raises(KVStoreError, match="unknown_worker"):
+        client.call(p.Heartbeat("nobody"))
+    client.call(p.Step("w-stats", frees=["s1", "s2"]))
+    reset = client.call(p.ResetCache())
+    assert isinstance(reset, p.CacheReset) and reset.blocks >= 4  # earlier tests' blocks too
+    assert client.call(p.GetStats()).gpu.cached == 0
+    reply = client.call(p.Step("w-stats", admits=[p.AdmitItem("s3", prompt)]))
+    assert reply.admitted[0].num_cached_tokens == 0
+    client.call(p.Step("w-stats", frees=["s3"]))

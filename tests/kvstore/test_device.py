@@ -1,0 +1,132 @@
+"""The torch side of the kvstore: pool mapping across processes and swap byte-exactness."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import msgspec
+import pytest
+import torch
+
+from kvstore import protocol as p
+from kvstore.device import DevicePools, blocks_for_memory, contiguous_runs, map_pool
+from kvstore.manager import KVCacheManager
+from kvstore.service import KVService
+from pagedserve.model_config import KVGeometry, kv_geometry, tiny_config
+
+GEOMETRY = KVGeometry(num_layers=3, num_kv_heads=2, head_dim=8, dtype="bfloat16")
+
+
+@pytest.fixture
+def pools() -> DevicePools:
+    pools = DevicePools(GEOMETRY, 16, num_blocks=32, num_cpu_blocks=16, device="cpu")
+    yield pools
+    pools.close()
+
+
+def test_pool_layout_and_geometry() -> None:
+    geometry = kv_geometry(tiny_config(), "auto")
+    assert geometry == KVGeometry(2, 2, 16, "float32")
+    assert geometry.block_bytes(16) == 2 * 2 * 16 * 2 * 16 * 4
+    pools = DevicePools(geometry, 16, 4, 2, "cpu")
+    try:
+        assert list(pools.pool.shape) == [4, 2, 2, 16, 2, 16]
+        assert pools.pool[1].data_ptr() - pools.pool[0].data_ptr() == geometry.block_bytes(16)
+    finally:
+        pools.close()
+
+
+def test_memory_specs() -> None:
+    assert blocks_for_memory("1GiB", 1 << 20, "cpu") == 1024
+    assert blocks_for_memory("2", 1 << 20, "cpu") == 2048
+    assert 0 < blocks_for_memory("0.01", 1 << 20, "cpu") < blocks_for_memory("0.02", 1 << 20, "cpu")
+    for bad in ("lots", "-1", "0"):
+        with pytest.raises(ValueError):
+            blocks_for_memory(bad, 1 << 20, "cpu")
+    assert list(contiguous_runs([4, 5, 6, 9, 1, 2])) == [(0, 4, 3), (3, 9, 1), (4, 1, 2)]
+
+
+def test_swap_out_then_in_returns_identical_bytes_and_frees_cpu_blocks(pools: DevicePools) -> None:
+    manager = KVCacheManager(32, 16, 16)
+    manager.prefill_profiles["w"] = [(16, 10.0)]  # recompute is dear: the cost model swaps
+    manager.calibration = pools.calibrate(sizes=(1, 4))
+    service = KVService(manager, pools, lease_timeout_s=60, orphan_grace_s=60)
+    service.handle(p.Register("w", [(16, 10.0)], "cpu", 0))
+    # Two requests: 'a' (90 tokens, 6 blocks) to swap, 'b' sharing nothing, to stay put.
+    a_tokens, b_tokens = list(range(90)), list(range(500, 540))
+    placed = service.handle(
+        p.Step("w", admits=[p.AdmitItem("a", a_tokens), p.AdmitItem("b", b_tokens)])
+    )
+    a_blocks, b_blocks = placed.admitted[0].block_ids, placed.admitted[1].block_ids
+    torch.manual_seed(1)
+    pools.pool.copy_(torch.randn(pools.pool.shape).to(pools.pool.dtype))  # the "worker" writes
+    a_bytes, b_bytes = pools.pool[a_blocks].clone(), pools.pool[b_blocks].clone()
+    service.handle(p.Step("w", appends=[p.AppendItem("a", [1], 90)]))
+    reply = service.handle(p.Step("w", preempts=["a"]))
+    assert reply.preempted == [("a", "swap")] and manager.swap.num_used == 6
+    # Make every freed block really free (no prefix-cache reuse at resume), then let others
+    # overwrite them: all six blocks must come back from the CPU tier.
+    assert service.handle(p.ResetCache()).blocks == 5
+    pools.pool[a_blocks] = float("nan")
+    reply = service.handle(p.Step("w", resumes=["a"]))
+    new_blocks = reply.resumed[0].block_ids
+    assert reply.resumed[0].num_computed == 90
+    assert manager.swap.num_free == 16, "swap-in must free the CPU blocks"
+    assert torch.equal(pools.pool[new_blocks].view(torch.int16), a_bytes.view(torch.int16))
+    assert torch.equal(pools.pool[b_blocks].view(torch.int16), b_bytes.view(torch.int16))
+    decision = manager.decisions.recent()[-1]
+    assert decision["mode"] == "swap" and decision["actual_s"] > 0
+    manager.check_integrity()
+
+
+def test_second_process_maps_the_shm_pool(pools: DevicePools) -> None:
+    info = msgspec.msgpack.encode(pools.export())  # exactly what a worker receives
+    pools.pool[3, 1, 0] = 1.5  # we write block 3 (layer 1, K) ...
+    child = textwrap.dedent("""
+        import sys, msgspec, torch
+        from kvstore import protocol as p
+        from kvstore.device import map_pool
+        pool = map_pool(msgspec.msgpack.decode(sys.stdin.buffer.read(), type=p.PoolInfo))
+        assert bool((pool[3, 1, 0] == 1.5).all()), "child does not see the parent's bytes"
+        pool[7, 2, 1] = -2.25  # ... the child writes block 7 (layer 2, V)
+    """)
+    subprocess.run([sys.executable, "-c", child], input=info, check=True)
+    assert bool((pools.pool[7, 2, 1] == -2.25).all())
+    assert bool((pools.pool[6] == 0).all()), "the child wrote outside its block"
+
+
+@pytest.mark.gpu
+def test_second_process_maps_the_cuda_pool_through_ipc() -> None:
+    pools = DevicePools(GEOMETRY, 16, num_blocks=64, num_cpu_blocks=8, device="cuda")
+    pools.pool.fill_(0)
+    pools.pool[5] = 3.0
+    torch.cuda.synchronize()
+    info = msgspec.msgpack.encode(pools.export())
+    child = textwrap.dedent("""
+        import sys, msgspec, torch
+        from kvstore import protocol as p
+        from kvstore.device import map_pool
+        pool = map_pool(msgspec.msgpack.decode(sys.stdin.buffer.read(), type=p.PoolInfo))
+        assert pool.is_cuda and bool((pool[5] == 3.0).all()), "child misses the parent's bytes"
+        pool[9, 1, 0] = 7.0
+        torch.cuda.synchronize()
+    """)
+    subprocess.run([sys.executable, "-c", child], input=info, check=True)
+    assert bool((pools.pool[9, 1, 0] == 7.0).all()) and bool((pools.pool[8] == 0).all())
+    # Swap through the pinned CPU tier on the same pool, byte-exact.
+    pools.pool.copy_(torch.randn(pools.pool.shape, device="cuda").to(pools.pool.dtype))
+    before = pools.pool[[3, 40, 41, 7]].clone()
+    pools.swap_out([(3, 0), (40, 1), (41, 2), (7, 6)])
+    pools.pool[[3, 40, 41, 7]] = float("nan")
+    pools.swap_in([(0, 10), (1, 11), (2, 12), (6, 13)])
+    assert torch.equal(pools.pool[[10, 11, 12, 13]].view(torch.int16), before.view(torch.int16))
+
+
+def test_map_pool_rejects_a_missing_gpu() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("only meaningful without a GPU")
+    handle = p.CudaIpcHandle("GPU-nope", b"x", 1, 0, b"", 0, b"", False)
+    with pytest.raises(RuntimeError, match="not visible"):
+        map_pool(p.PoolInfo("cuda_ipc", [1], "float32", 16, cuda=handle))

@@ -1,0 +1,247 @@
+"""Exact tests of the pure-Python kvstore core: block ids, counts and counters."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from kvstore.block_pool import BlockPool, NoFreeBlocks, SwapSpace
+from kvstore.cost_model import LinearCost, SwapCalibration
+from kvstore.manager import KVCacheManager, KVError, Status
+
+BS = 16
+
+
+def manager(gpu: int, cpu: int = 0, bs: int = BS) -> KVCacheManager:
+    return KVCacheManager(gpu, cpu, bs)
+
+
+def test_core_does_not_import_torch() -> None:
+    code = (
+        "import sys, kvstore.manager, kvstore.cost_model, kvstore.leases\n"
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_lru_eviction_order() -> None:
+    pool = BlockPool(4)
+    blocks, evicted = pool.allocate(4)
+    assert blocks == [0, 1, 2, 3] and evicted == []
+    for b in (2, 0, 3):
+        pool.mark_cached(b)
+    pool.release([2, 0, 3, 1])  # 2, 0, 3 cached in that order; 1 free
+    assert pool.lru_order() == [2, 0, 3] and pool.num_free == 1
+    pool.check_integrity()
+    # A free block goes first: no eviction while one is left.
+    assert pool.allocate(1) == ([1], [])
+    pool.ref(0)  # a prefix hit on 0 takes it out of the LRU ...
+    pool.release([0])  # ... and releasing makes it the most recently used
+    assert pool.lru_order() == [2, 3, 0]
+    assert pool.allocate(2) == ([2, 3], [2, 3])
+    assert pool.lru_order() == [0]
+    with pytest.raises(NoFreeBlocks):
+        pool.allocate(2)
+    pool.check_integrity()
+
+
+def test_pool_rejects_double_free_and_sharing_a_free_block() -> None:
+    pool = BlockPool(2)
+    (b,), _ = pool.allocate(1)
+    pool.release([b])
+    with pytest.raises(ValueError, match="double free"):
+        pool.release([b])
+    with pytest.raises(ValueError, match="free"):
+        pool.ref(b)
+    swap = SwapSpace(2)
+    assert swap.allocate(2) == [0, 1]
+    swap.release([1])
+    with pytest.raises(ValueError, match="double free"):
+        swap.release([1])
+
+
+def test_shared_prefix_100_requests() -> None:
+    m = manager(1000)
+    prefix = list(range(2048))
+    for i in range(100):
+        suffix = [10_000 + i * 1000 + j for j in range(100)]
+        placement = m.admit(f"r{i}", "w", prefix + suffix, None)
+        assert placement.num_cached_tokens == (0 if i == 0 else 2048)
+        # The worker computes the prompt and reports it with the first sampled token.
+        m.append(f"r{i}", "w", [7], 2148)
+        m.check_integrity()
+    assert m.pool.num_used == 128 + 100 * 7 == 828
+    assert m.index.hit_tokens == 99 * 2048
+    assert m.index.queried_tokens == 100 * 2148
+    assert m.index.stops["no_entry"] == 100
+    tables = [m.requests[f"r{i}"].block_ids for i in range(100)]
+    assert all(t[:128] == tables[0][:128] for t in tables)
+    assert all(m.pool.ref_counts[b] == 100 for b in tables[0][:128])
+    [top] = m.index.top_prefixes(1)
+    assert (top.tokens, top.hits) == (2048, 99)
+
+
+def test_hit_is_capped_so_the_last_token_is_computed() -> None:
+    m = manager(10)
+    m.admit("a", "w", list(range(32)), None)
+    m.append("a", "w", [], 32)
+    placement = m.admit("b", "w", list(range(32)), None)
+    assert placement.num_cached_tokens == 16  # block 1 is recomputed into a fresh block
+    assert m.index.stops["partial_block"] == 1
+    m.append("b", "w", [], 32)  # its duplicate of block 1 stays unregistered
+    assert len(m.index) == 2
+    m.check_integrity()
+
+
+def test_fork_copies_a_shared_partial_block_exactly_when_written() -> None:
+    m = manager(20)
+    m.admit("p", "w", list(range(40)), None)  # blocks 0, 1, 2 (2 is partial: 8 tokens)
+    m.append("p", "w", [], 40)
+    for child in ("c1", "c2", "c3"):
+        assert m.fork("p", "w", child).block_ids == [0, 1, 2]
+    assert [m.pool.ref_counts[b] for b in (0, 1, 2)] == [4, 4, 4]
+    # The first three writers into shared block 2 get private copies; the last writes in place.
+    assert m.append("p", "w", [100], 40).copies == [(2, 2, 3)]
+    assert m.append("c1", "w", [101], 40).copies == [(2, 2, 4)]
+    assert m.append("c2", "w", [102], 40).copies == [(2, 2, 5)]
+    assert m.append("c3", "w", [103], 40).copies == []
+    assert [m.requests[r].block_ids[2] for r in ("p", "c1", "c2", "c3")] == [3, 4, 5, 2]
+    # Full blocks stay shared; a write that starts a new block copies nothing.
+    assert [m.pool.ref_counts[b] for b in (0, 1)] == [4, 4]
+    assert m.pool.num_used == 6
+    m.check_integrity()
+    m.admit("q", "w", list(range(48)), None)  # 3 full blocks, block 2 not yet cached
+    m.append("q", "w", [], 48)
+    m.fork("q", "w", "q1")
+    growth = m.append("q", "w", [9], 48)
+    assert growth.copies == [] and len(growth.new_block_ids) == 1
+    m.check_integrity()
+
+
+def test_salted_requests_never_share() -> None:
+    m = manager(40)
+    tokens = list(range(64))
+    m.admit("a", "w", tokens, b"tenant-a")
+    m.append("a", "w", [], 64)
+    assert m.admit("b", "w", tokens, b"tenant-b").num_cached_tokens == 0
+    assert m.admit("c", "w", tokens, None).num_cached_tokens == 0
+    assert m.index.stops["salt"] == 2
+    assert m.admit("d", "w", tokens, b"tenant-a").num_cached_tokens == 48
+    shared = set(m.requests["a"].block_ids) & set(m.requests["b"].block_ids)
+    assert not shared and not set(m.requests["c"].block_ids) & set(m.requests["a"].block_ids)
+    m.check_integrity()
+
+
+def test_miss_reasons_no_entry_and_evicted() -> None:
+    m = manager(4)
+    m.admit("a", "w", list(range(64)), None)
+    m.append("a", "w", [], 64)
+    m.free("a", "w")  # four cached blocks in the LRU
+    m.admit("x", "w", list(range(1000, 1064)), None)  # evicts all four
+    m.free("x", "w")
+    assert m.admit("b", "w", list(range(64)), None).num_cached_tokens == 0
+    assert dict(m.index.stops) == {"no_entry": 2, "evicted": 1, "salt": 0, "partial_block": 0}
+    m.check_integrity()
+
+
+def test_no_space_is_all_or_nothing() -> None:
+    m = manager(3)
+    m.admit("a", "w", list(range(40)), None)
+    with pytest.raises(KVError) as err:
+        m.admit("b", "w", list(range(100, 120)), None)
+    assert err.value.code == "no_space" and "b" not in m.requests
+    with pytest.raises(KVError) as err:
+        m.append("a", "w", list(range(9)), 0)
+    assert err.value.code == "no_space" and len(m.requests["a"].token_ids) == 40
+    m.check_integrity()
+
+
+def test_preempt_swap_then_resume_reuses_cached_prefix() -> None:
+    m = manager(8, 8)
+    m.calibration = SwapCalibration(1024, LinearCost(0.0, 1e-6), LinearCost(0.0, 1e-6))
+    m.prefill_profiles["w"] = [(16, 1.0), (1024, 2.0)]  # recompute is far dearer
+    m.admit("a", "w", list(range(40)), None)
+    m.append("a", "w", [1], 40)
+    modes, plan = m.preempt(["a"], "w", now=1.0)
+    assert modes == ["swap"] and plan.swap_out == [(0, 0), (1, 1), (2, 2)]
+    assert m.requests["a"].status is Status.SWAPPED and m.pool.num_used == 0
+    m.check_integrity()
+    placement, plan = m.resume("a", "w")
+    # Blocks 0 and 1 were still cached on the GPU: only block 2 comes back from the CPU.
+    assert placement.block_ids == [0, 1, 3] and placement.num_computed == 40
+    assert plan.swap_in == [(2, 3)] and m.swap.num_free == 8
+    assert m.decisions.recent()[0]["mode"] == "swap"
+    m.check_integrity()
+
+
+def test_preempt_recompute_when_cheaper_or_cpu_full() -> None:
+    m = manager(8, 4)
+    m.calibration = SwapCalibration(1024, LinearCost(1.0, 1.0), LinearCost(1.0, 1.0))
+    m.prefill_profiles["w"] = [(16, 0.001), (1024, 0.01)]
+    m.admit("a", "w", list(range(40)), None)
+    m.append("a", "w", [1], 40)
+    modes, plan = m.preempt(["a"], "w", now=0.0)
+    assert modes == ["recompute"] and plan.swap_out == []
+    decision = m.decisions.recent()[-1]
+    assert decision["reason"] == "recompute is cheaper"
+    assert decision["predicted_swap_s"] == pytest.approx(2 * (1.0 + 3.0))
+    placement, _ = m.resume("a", "w")
+    assert placement.num_computed == 32  # the cached full blocks come back as hits
+    m.calibration = SwapCalibration(1024, LinearCost(0.0, 1e-9), LinearCost(0.0, 1e-9))
+    m.append("a", "w", [], 41)
+    m.swap.allocate(2)  # leave 2 CPU blocks for a request holding 3
+    assert m.preempt(["a"], "w", now=0.0)[0] == ["recompute"]
+    assert m.decisions.recent()[-1]["reason"] == "CPU tier full"
+    m.pool.check_integrity()
+
+
+def test_orphans_adopted_or_reclaimed_after_grace() -> None:
+    m = manager(10)
+    m.admit("a", "w1", list(range(20)), None)
+    m.append("a", "w1", [5, 6], 20)
+    m.admit("b", "w1", list(range(100, 120)), None)
+    with pytest.raises(KVError, match="live worker"):
+        m.adopt("a", "w2", list(range(20)))
+    assert m.orphan_worker("w1", now=10.0) == ["a", "b"]
+    # The new worker saw one streamed token of the two the kvstore holds: cut to the common prefix.
+    placement, plan = m.adopt("a", "w2", [*range(20), 5])
+    assert placement.num_computed == 20 and len(m.requests["a"].token_ids) == 21
+    assert m.requests["a"].worker == "w2" and not plan.swap_in
+    assert m.reclaim_orphans(now=20.0, grace_s=30.0) == []
+    assert m.reclaim_orphans(now=40.0, grace_s=30.0) == ["b"]
+    assert "b" not in m.requests and m.pool.num_used == 2
+    m.check_integrity()
+
+
+def test_errors_name_the_problem() -> None:
+    m = manager(10)
+    m.admit("a", "w", [1, 2, 3], None)
+    cases = [
+        (lambda: m.admit("a", "w", [1], None), "duplicate_request"),
+        (lambda: m.admit("e", "w", [], None), "bad_argument"),
+        (lambda: m.append("zz", "w", [1], 0), "unknown_request"),
+        (lambda: m.append("a", "other", [1], 0), "not_owner"),
+        (lambda: m.append("a", "w", [1], 4), "bad_argument"),
+        (lambda: m.resume("a", "w"), "wrong_state"),
+    ]
+    for call, code in cases:
+        with pytest.raises(KVError) as err:
+            call()
+        assert err.value.code == code
+    m.check_integrity()
+
+
+def test_reset_prefix_cache_frees_idle_cached_blocks() -> None:
+    m = manager(10)
+    m.admit("a", "w", list(range(48)), None)
+    m.append("a", "w", [], 48)
+    m.admit("b", "w", list(range(1000, 1032)), None)
+    m.append("b", "w", [], 32)
+    m.free("a", "w")
+    assert m.pool.num_cached_free == 3
+    assert m.reset_prefix_cache() == 5
+    assert m.pool.num_cached_free == 0 and m.pool.num_free == 8 and len(m.index) == 0
+    assert m.admit("c", "w", list(range(48)), None).num_cached_tokens == 0
+    m.check_integrity()

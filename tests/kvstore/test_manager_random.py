@@ -1,0 +1,209 @@
+"""Random admit/append/fork/free/preempt/resume/adopt sequences on tiny pools.
+
+Beside the manager the test keeps a *shadow pool*: what each GPU and CPU slot holds. It plays the
+worker (writes each token into its slot, performs copy-on-write copies) and the daemon (runs swap
+plans). After every step ``check_integrity()`` must pass and every computed token of every running
+request must be found in its slot: that catches a prefix hit on wrong bytes, a missing
+copy-on-write, a lost swap or a block reused while still held.
+"""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from kvstore.cost_model import LinearCost, SwapCalibration
+from kvstore.manager import KVCacheManager, KVError, Status, TransferPlan
+
+BS = 4
+tokens_st = st.lists(st.integers(0, 2), min_size=1, max_size=14)  # tiny vocab: prefixes repeat
+
+
+class KVMachine(RuleBasedStateMachine):
+    @initialize(
+        gpu=st.integers(4, 20),
+        cpu=st.integers(0, 12),
+        swap_cost=st.sampled_from([1e-6, 1.0]),
+    )
+    def setup(self, gpu: int, cpu: int, swap_cost: float) -> None:
+        self.m = KVCacheManager(gpu, cpu, BS)
+        self.m.calibration = SwapCalibration(64, LinearCost(0, swap_cost), LinearCost(0, swap_cost))
+        for worker in ("w1", "w2"):
+            self.m.prefill_profiles[worker] = [(4, 0.01), (64, 0.16)]
+        self.gpu: list[list[int | None]] = [[None] * BS for _ in range(gpu)]
+        self.cpu: list[list[int | None]] = [[None] * BS for _ in range(cpu)]
+        self.written: dict[str, int] = {}  # tokens the "worker" wrote, reported at its next append
+        self.next_id = 0
+        self.now = 0.0
+
+    # -------------------------------------------------------------- the worker's side
+    def _new_id(self) -> str:
+        self.next_id += 1
+        return f"r{self.next_id}"
+
+    def _poison(self, blocks: list[int]) -> None:
+        for b in blocks:
+            self.gpu[b] = [None] * BS
+
+    def _write(self, req_id: str, upto: int) -> None:
+        """The forward pass: KV of tokens [written, upto) lands in their slots."""
+        r = self.m.requests[req_id]
+        for pos in range(self.written[req_id], upto):
+            self.gpu[r.block_ids[pos // BS]][pos % BS] = r.token_ids[pos]
+        self.written[req_id] = upto
+
+    def _run(self, plan: TransferPlan) -> None:
+        for g, c in plan.swap_out:
+            self.cpu[c] = list(self.gpu[g])
+        for c, g in plan.swap_in:
+            self.gpu[g] = list(self.cpu[c])
+
+    def _placed(self, req_id: str, block_ids: list[int], num_computed: int) -> None:
+        self._poison(block_ids[num_computed // BS :])  # past the prefix hit: fresh blocks
+        self.written[req_id] = num_computed
+
+    def _running(self) -> list[str]:
+        return sorted(r for r, q in self.m.requests.items() if q.status is Status.RUNNING)
+
+    def _preempted(self) -> list[str]:
+        return sorted(r for r, q in self.m.requests.items() if q.status is not Status.RUNNING)
+
+    # -------------------------------------------------------------- rules
+    @rule(
+        tokens=tokens_st, salt=st.sampled_from([None, b"s"]), worker=st.sampled_from(["w1", "w2"])
+    )
+    def admit(self, tokens: list[int], salt: bytes | None, worker: str) -> None:
+        req_id = self._new_id()
+        before = self.m.pool.num_available
+        try:
+            placement = self.m.admit(req_id, worker, tokens, salt)
+        except KVError as err:
+            assert err.code == "no_space" and self.m.pool.num_available == before
+            return
+        assert placement.num_computed % BS == 0 and placement.num_computed < len(tokens)
+        self._placed(req_id, placement.block_ids, placement.num_computed)
+
+    @precondition(lambda self: self._running())
+    @rule(data=st.data(), new=st.lists(st.integers(0, 2), max_size=5))
+    def step(self, data: st.DataObject, new: list[int]) -> None:
+        """append (reporting what was written, asking room for ``new``), then a forward pass."""
+        req_id = data.draw(st.sampled_from(self._running()))
+        r = self.m.requests[req_id]
+        try:
+            growth = self.m.append(req_id, r.worker, new, self.written[req_id])
+        except KVError as err:
+            assert err.code == "no_space"
+            return
+        self._poison(growth.new_block_ids)
+        for _, src, dst in growth.copies:
+            self.gpu[dst] = list(self.gpu[src])
+        upto = data.draw(st.integers(self.written[req_id], len(r.token_ids)))
+        self._write(req_id, upto)
+
+    @precondition(lambda self: self._running())
+    @rule(data=st.data(), n=st.integers(1, 3))
+    def fork(self, data: st.DataObject, n: int) -> None:
+        parent = data.draw(st.sampled_from(self._running()))
+        r = self.m.requests[parent]
+        self._write(parent, self.written[parent])
+        for _ in range(n):
+            child = self._new_id()
+            self.m.fork(parent, r.worker, child)
+            self.written[child] = r.num_computed
+
+    @precondition(lambda self: self.m.requests)
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        req_id = data.draw(st.sampled_from(sorted(self.m.requests)))
+        self.m.free(req_id, self.m.requests[req_id].worker)
+        del self.written[req_id]
+
+    @precondition(lambda self: self._running())
+    @rule(data=st.data())
+    def preempt(self, data: st.DataObject) -> None:
+        victims = data.draw(st.lists(st.sampled_from(self._running()), min_size=1, unique=True))
+        by_worker: dict[str, list[str]] = {}
+        for v in victims:
+            by_worker.setdefault(self.m.requests[v].worker, []).append(v)
+        for worker, ids in by_worker.items():
+            modes, plan = self.m.preempt(ids, worker, self.now)
+            self._run(plan)
+            assert len(plan.swap_out) == sum(
+                len(self.m.requests[v].cpu_block_ids)
+                for v, mode in zip(ids, modes, strict=True)
+                if mode == "swap"
+            )
+
+    @precondition(lambda self: self._preempted())
+    @rule(data=st.data())
+    def resume(self, data: st.DataObject) -> None:
+        req_id = data.draw(st.sampled_from(self._preempted()))
+        r = self.m.requests[req_id]
+        try:
+            placement, plan = self.m.resume(req_id, r.worker)
+        except KVError as err:
+            assert err.code == "no_space" and r.status is not Status.RUNNING
+            return
+        swapped_in = {g for _, g in plan.swap_in}
+        fresh = [
+            b for b in placement.block_ids if b not in swapped_in and not self.m.pool.cached[b]
+        ]
+        self._poison([b for b in fresh if self.m.pool.ref_counts[b] == 1])
+        self._run(plan)
+        self.written[req_id] = placement.num_computed
+
+    @precondition(lambda self: self.m.requests)
+    @rule(data=st.data(), keep=st.integers(0, 6))
+    def worker_dies_and_another_adopts(self, data: st.DataObject, keep: int) -> None:
+        req_id = data.draw(st.sampled_from(sorted(self.m.requests)))
+        r = self.m.requests[req_id]
+        dead, heir = r.worker, "w2" if r.worker == "w1" else "w1"
+        self.now += 1.0
+        self.m.orphan_worker(dead, self.now)
+        streamed = r.token_ids[: max(1, len(r.token_ids) - keep)]
+        try:
+            placement, plan = self.m.adopt(req_id, heir, streamed)
+        except KVError as err:
+            assert err.code == "no_space"
+        else:
+            self._run(plan)
+            self.written[req_id] = placement.num_computed
+        for other in self.m.orphan_worker(dead, self.now):  # the rest are adopted as they are
+            placement, plan = (
+                self.m.adopt(other, heir, self.m.requests[other].token_ids)
+                if (self.m.requests[other].status is Status.RUNNING)
+                else (None, TransferPlan())
+            )
+            if placement is not None:
+                self.written[other] = placement.num_computed
+
+    @rule()
+    def reset_cache(self) -> None:
+        self.m.reset_prefix_cache()
+
+    # -------------------------------------------------------------- invariants
+    @invariant()
+    def integrity(self) -> None:
+        if hasattr(self, "m"):
+            self.m.check_integrity()
+
+    @invariant()
+    def computed_tokens_are_in_their_slots(self) -> None:
+        if not hasattr(self, "m"):
+            return
+        for req_id, r in self.m.requests.items():
+            if r.status is not Status.RUNNING:
+                continue
+            for pos in range(r.num_computed):
+                slot = self.gpu[r.block_ids[pos // BS]][pos % BS]
+                assert slot == r.token_ids[pos], f"{req_id} pos {pos}: {slot} != {r.token_ids[pos]}"
+
+
+KVMachine.TestCase.settings = settings(
+    max_examples=300,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+TestKVMachine = KVMachine.TestCase
