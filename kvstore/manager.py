@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import NamedTuple
 
 from kvstore.block_pool import BlockPool, NoFreeBlocks, SwapSpace
 from kvstore.cost_model import DecisionLog, SwapCalibration, choose
@@ -57,8 +58,7 @@ class Request:
     orphaned_at: float | None = None
 
 
-@dataclass(frozen=True)
-class Placement:
+class Placement(NamedTuple):
     """A request's block table after admit/resume/adopt; the worker computes from num_computed."""
 
     req_id: str
@@ -67,8 +67,7 @@ class Placement:
     num_cached_tokens: int
 
 
-@dataclass(frozen=True)
-class Growth:
+class Growth(NamedTuple):
     """What an append changed: blocks added at the table's end, and copy-on-write replacements
     ``(position in the table, src block, dst block)`` whose copy the caller performs first."""
 
@@ -175,35 +174,40 @@ class KVCacheManager:
         Allocates blocks for the new tokens and private copies of shared blocks about to be
         written; registers newly computed full blocks in the prefix index. All or nothing."""
         request = self._owned(req_id, worker, Status.RUNNING)
-        if not request.num_computed <= num_computed <= len(request.token_ids):
+        tokens, table, bs = request.token_ids, request.block_ids, self.block_size
+        if not request.num_computed <= num_computed <= len(tokens):
             raise KVError(
                 "bad_argument",
                 f"num_computed {num_computed} outside [{request.num_computed}, "
-                f"{len(request.token_ids)}] for {req_id!r}",
+                f"{len(tokens)}] for {req_id!r}",
             )
-        new_len = len(request.token_ids) + len(new_token_ids)
-        first = num_computed // self.block_size
-        last = min(cdiv(new_len, self.block_size), len(request.block_ids))
-        to_copy = [i for i in range(first, last) if self._must_copy(request.block_ids[i])]
-        grow = cdiv(new_len, self.block_size) - len(request.block_ids)
-        if grow + len(to_copy) > self.pool.num_available:
-            raise KVError(
-                "no_space",
-                f"{req_id!r} needs {grow + len(to_copy)} blocks, "
-                f"{self.pool.num_available} available",
-            )
-        copies = []
-        for position, dst in zip(to_copy, self._allocate(len(to_copy)), strict=True):
-            src = request.block_ids[position]
-            self.pool.release([src])
-            request.block_ids[position] = dst
-            copies.append((position, src, dst))
-        new_blocks = self._allocate(grow)
-        request.block_ids.extend(new_blocks)
-        request.token_ids.extend(new_token_ids)
+        blocks_needed = -(-(len(tokens) + len(new_token_ids)) // bs)
+        last = min(blocks_needed, len(table))
+        to_copy = [i for i in range(num_computed // bs, last) if self._must_copy(table[i])]
+        grow = blocks_needed - len(table)
+        copies: list[tuple[int, int, int]] = []
+        new_blocks: list[int] = []
+        if grow > 0 or to_copy:  # the common decode step allocates nothing
+            needed = max(grow, 0) + len(to_copy)
+            if needed > self.pool.num_available:
+                raise KVError(
+                    "no_space",
+                    f"{req_id!r} needs {needed} blocks, {self.pool.num_available} available",
+                )
+            fresh = self._allocate(needed)
+            for position, dst in zip(to_copy, fresh, strict=False):
+                src = table[position]
+                self.pool.release([src])
+                table[position] = dst
+                copies.append((position, src, dst))
+            new_blocks = fresh[len(to_copy) :]
+            table.extend(new_blocks)
+        tokens.extend(new_token_ids)
         request.num_computed = num_computed
-        self._extend_hashes(request)
-        self._register_computed(request)
+        if len(tokens) // bs > len(request.contents):
+            self._extend_hashes(request)
+        if num_computed // bs > request.num_registered:
+            self._register_computed(request)
         return Growth(req_id, new_blocks, copies)
 
     def _must_copy(self, block: int) -> bool:

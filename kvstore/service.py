@@ -118,35 +118,41 @@ class KVService:
     # ------------------------------------------------------------------ the per-step call
     def step(self, body: p.Step, now: float) -> p.StepReply:
         m, worker, reply = self.manager, body.worker_id, p.StepReply()
-
-        def attempt(req_id: str, op: str, fn: Callable[[], None]) -> None:
-            try:
-                fn()
-            except KVError as err:
-                reply.errors.append(p.ItemError(req_id, op, err.code, str(err)))
-
         for cost in body.costs:
-            attempt(cost.req_id, "cost", lambda c=cost: self._report_cost(c))
+            self._each(reply, "cost", cost.req_id, self._report_cost, cost)
         for req_id in body.frees:
-            attempt(req_id, "free", lambda r=req_id: m.free(r, worker))
+            self._each(reply, "free", req_id, m.free, req_id, worker)
         for req_id in body.preempts:
-            attempt(req_id, "preempt", lambda r=req_id: self._preempt(r, worker, now, reply))
+            self._each(reply, "preempt", req_id, self._preempt, req_id, worker, now, reply)
         for req_id in body.resumes:
-            attempt(req_id, "resume", lambda r=req_id: self._resume(r, worker, reply))
+            self._each(reply, "resume", req_id, self._resume, req_id, worker, reply)
         for fork in body.forks:
             for child in fork.child_ids:
-                attempt(
-                    child,
-                    "fork",
-                    lambda f=fork, c=child: reply.forked.append(
-                        _placed(m.fork(f.parent_id, worker, c))
-                    ),
-                )
+                self._each(reply, "fork", child, self._fork, fork.parent_id, child, worker, reply)
         for item in body.admits:
-            attempt(item.req_id, "admit", lambda i=item: self._admit(i, worker, reply))
-        for item in body.appends:
-            attempt(item.req_id, "append", lambda i=item: self._append(i, worker, reply))
+            self._each(reply, "admit", item.req_id, self._admit, item, worker, reply)
+        for item in body.appends:  # the hot path: one per running request per step
+            try:
+                growth = m.append(item.req_id, worker, item.token_ids, item.num_computed)
+            except KVError as err:
+                reply.errors.append(p.ItemError(item.req_id, "append", err.code, str(err)))
+                continue
+            if growth.new_block_ids or growth.copies:
+                reply.appended.append(p.Grown(*growth))
         return reply
+
+    @staticmethod
+    def _each(
+        reply: p.StepReply, op: str, req_id: str, fn: Callable[..., object], *args: object
+    ) -> None:
+        """Runs one item of a step; a KVError becomes that item's error, the step goes on."""
+        try:
+            fn(*args)
+        except KVError as err:
+            reply.errors.append(p.ItemError(req_id, op, err.code, str(err)))
+
+    def _fork(self, parent: str, child: str, worker: str, reply: p.StepReply) -> None:
+        reply.forked.append(p.Placed(*self.manager.fork(parent, worker, child)))
 
     def _admit(self, item: p.AdmitItem, worker: str, reply: p.StepReply) -> None:
         if item.adopt:
@@ -154,12 +160,7 @@ class KVService:
             self._run(plan)
         else:
             placement = self.manager.admit(item.req_id, worker, item.token_ids, item.salt)
-        reply.admitted.append(_placed(placement))
-
-    def _append(self, item: p.AppendItem, worker: str, reply: p.StepReply) -> None:
-        growth = self.manager.append(item.req_id, worker, item.token_ids, item.num_computed)
-        if growth.new_block_ids or growth.copies:
-            reply.appended.append(p.Grown(item.req_id, growth.new_block_ids, growth.copies))
+        reply.admitted.append(p.Placed(*placement))
 
     def _preempt(self, req_id: str, worker: str, now: float, reply: p.StepReply) -> None:
         (mode,), plan = self.manager.preempt([req_id], worker, now)
@@ -169,7 +170,7 @@ class KVService:
     def _resume(self, req_id: str, worker: str, reply: p.StepReply) -> None:
         placement, plan = self.manager.resume(req_id, worker)
         self._run(plan)
-        reply.resumed.append(_placed(placement))
+        reply.resumed.append(p.Placed(*placement))
 
     def _run(self, plan: TransferPlan) -> None:
         """Executes a swap plan now, before any other manager call may reuse its source blocks."""
@@ -195,12 +196,3 @@ class KVService:
         if request is None or request.decision_id is None:
             raise KVError("unknown_request", f"no preemption decision for {cost.req_id!r}")
         self.manager.decisions.add_actual(request.decision_id, cost.seconds)
-
-
-def _placed(placement: object) -> p.Placed:
-    return p.Placed(
-        placement.req_id,
-        placement.block_ids,
-        placement.num_computed,  # type: ignore[attr-defined]
-        placement.num_cached_tokens,
-    )  # type: ignore[attr-defined]

@@ -51,7 +51,10 @@ def start_kvstore(*flags: str) -> tuple[subprocess.Popen[bytes], str]:
         endpoint,
         *flags,
     ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
     process = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     wait_for_kvstore(endpoint, process, timeout_s=60)
     return process, endpoint
