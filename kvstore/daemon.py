@@ -89,11 +89,18 @@ def resolve_device(device: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def disable_expandable_segments() -> None:
+    """CUDA IPC cannot export memory from expandable segments: force them off before CUDA starts."""
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    if "expandable_segments:True" in conf:
+        log.warning("PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True; turning it off for IPC")
+    parts = [x for x in conf.split(",") if x and not x.startswith("expandable_segments")]
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join([*parts, "expandable_segments:False"])
+
+
 def build_service(config: KVStoreConfig) -> tuple[KVService, object]:
     """Allocates the pools (the slow part: progress is logged) and wires the service."""
-    os.environ.setdefault(
-        "PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False"
-    )  # CUDA IPC needs it
+    disable_expandable_segments()
     from kvstore.device import DevicePools, blocks_for_memory
     from pagedserve.model_config import kv_geometry, load_config
 

@@ -210,6 +210,26 @@ class KVCacheManager:
             self._register_computed(request)
         return Growth(req_id, new_blocks, copies)
 
+    def append_one_token(self, req_id: str, worker: str, token: int, num_computed: int) -> bool:
+        """The common decode step, in O(1): one token into the request's last block, which it
+        owns alone, every earlier token computed. Returns False, having changed nothing, when the
+        general ``append`` must run (a new block, a copy-on-write, a block to register, an error).
+        """
+        r = self.requests.get(req_id)
+        if r is None or r.worker != worker or r.status is not Status.RUNNING:
+            return False
+        n, bs = len(r.token_ids), self.block_size
+        if num_computed != n or n % bs == 0 or n // bs != r.num_registered:
+            return False
+        last = r.block_ids[-1]
+        if self.pool.ref_counts[last] > 1 or self.pool.cached[last]:
+            return False
+        r.token_ids.append(token)
+        r.num_computed = n
+        if (n + 1) % bs == 0:  # the last block is full of known tokens now: hash it
+            self._extend_hashes(r)
+        return True
+
     def _must_copy(self, block: int) -> bool:
         return self.pool.ref_counts[block] > 1 or self.pool.cached[block]
 

@@ -131,7 +131,11 @@ class KVService:
                 self._each(reply, "fork", child, self._fork, fork.parent_id, child, worker, reply)
         for item in body.admits:
             self._each(reply, "admit", item.req_id, self._admit, item, worker, reply)
+        fast = m.append_one_token
         for item in body.appends:  # the hot path: one per running request per step
+            tokens = item.token_ids
+            if len(tokens) == 1 and fast(item.req_id, worker, tokens[0], item.num_computed):
+                continue
             try:
                 growth = m.append(item.req_id, worker, item.token_ids, item.num_computed)
             except KVError as err:

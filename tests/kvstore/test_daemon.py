@@ -178,3 +178,22 @@ def test_stats_and_cache_reset(client: KVClient) -> None:
     reply = client.call(p.Step("w-stats", admits=[p.AdmitItem("s3", prompt)]))
     assert reply.admitted[0].num_cached_tokens == 0
     client.call(p.Step("w-stats", frees=["s3"]))
+
+
+def test_unregister_orphans_at_once_and_heartbeat_renews(client: KVClient) -> None:
+    register(client, "w-leaves")
+    assert isinstance(client.call(p.Heartbeat("w-leaves")), p.Ack)
+    reply = client.call(p.Step("w-leaves", admits=[p.AdmitItem("u1", list(range(6000, 6010)))]))
+    blocks = reply.admitted[0].block_ids
+    client.call(p.Unregister("w-leaves"))
+    rows = {r.req_id: r for r in client.call(p.GetStats()).requests}
+    assert rows["u1"].orphaned and rows["u1"].worker == "w-leaves"
+    with pytest.raises(KVStoreError, match="unknown_worker"):
+        client.call(p.Heartbeat("w-leaves"))
+    register(client, "w-takes")
+    item = p.AdmitItem("u1", list(range(6000, 6010)), adopt=True)
+    reply = client.call(p.Step("w-takes", admits=[item]))
+    assert not reply.errors and reply.admitted[0].block_ids == blocks  # the same blocks, kept
+    rows = {r.req_id: r for r in client.call(p.GetStats()).requests}
+    assert rows["u1"].worker == "w-takes" and not rows["u1"].orphaned
+    client.call(p.Step("w-takes", frees=["u1"]))

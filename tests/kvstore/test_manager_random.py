@@ -84,22 +84,54 @@ class KVMachine(RuleBasedStateMachine):
         assert placement.num_computed % BS == 0 and placement.num_computed < len(tokens)
         self._placed(req_id, placement.block_ids, placement.num_computed)
 
+    def _append(self, req_id: str, new: list[int]) -> bool:
+        """The worker's append (the O(1) path when it applies), then its copy-on-write copies.
+        False when the pool has no room."""
+        r = self.m.requests[req_id]
+        written = self.written[req_id]
+        if len(new) == 1 and self.m.append_one_token(req_id, r.worker, new[0], written):
+            return True  # by contract the same as an append that changed no block
+        try:
+            growth = self.m.append(req_id, r.worker, new, written)
+        except KVError as err:
+            assert err.code == "no_space"
+            return False
+        self._poison(growth.new_block_ids)
+        for _, src, dst in growth.copies:
+            self.gpu[dst] = list(self.gpu[src])
+        return True
+
     @precondition(lambda self: self._running())
     @rule(data=st.data(), new=st.lists(st.integers(0, 2), max_size=5))
     def step(self, data: st.DataObject, new: list[int]) -> None:
         """append (reporting what was written, asking room for ``new``), then a forward pass."""
         req_id = data.draw(st.sampled_from(self._running()))
-        r = self.m.requests[req_id]
-        try:
-            growth = self.m.append(req_id, r.worker, new, self.written[req_id])
-        except KVError as err:
-            assert err.code == "no_space"
+        if self._append(req_id, new):
+            upto = data.draw(
+                st.integers(self.written[req_id], len(self.m.requests[req_id].token_ids))
+            )
+            self._write(req_id, upto)
+
+    @precondition(lambda self: self._running())
+    @rule(data=st.data(), samples=st.lists(st.integers(0, 2), min_size=2, max_size=4, unique=True))
+    def fork_and_sample(self, data: st.DataObject, samples: list[int]) -> None:
+        """n > 1 sampling: the prompt is computed and reported, the request forks, and every
+        sequence decodes its own token into the shared last block (then one more step)."""
+        parent = data.draw(st.sampled_from(self._running()))
+        r = self.m.requests[parent]
+        if not self._append(parent, []):
             return
-        self._poison(growth.new_block_ids)
-        for _, src, dst in growth.copies:
-            self.gpu[dst] = list(self.gpu[src])
-        upto = data.draw(st.integers(self.written[req_id], len(r.token_ids)))
-        self._write(req_id, upto)
+        self._write(parent, len(r.token_ids))
+        if not self._append(parent, []):
+            return
+        children = [self._new_id() for _ in samples[1:]]
+        for child in children:
+            self.m.fork(parent, r.worker, child)
+            self.written[child] = r.num_computed
+        for _ in range(2):
+            for seq, token in zip([parent, *children], samples, strict=True):
+                if self._append(seq, [token]):
+                    self._write(seq, len(self.m.requests[seq].token_ids))
 
     @precondition(lambda self: self._running())
     @rule(data=st.data(), n=st.integers(1, 3))
