@@ -2,7 +2,7 @@
 
 For Llama-3.2-1B- and Llama-3.1-8B-shaped pools (bf16, block 16): swap-out and swap-in of 1 GiB
 worth of blocks from random GPU block ids, to consecutive CPU ids (what the allocator hands out)
-and to randomly scattered CPU ids (worst case: one transfer per block).
+and to a random half of a CPU tier twice that size (fragmented: runs of ~2 blocks).
 
     python bench/swap.py
 """
@@ -70,11 +70,11 @@ def bench_shape(
 ) -> None:
     block_bytes = geometry.block_bytes(16)
     n = GiB // block_bytes
-    pools = DevicePools(geometry, 16, num_blocks=4 * n, num_cpu_blocks=n, device="cuda")
+    pools = DevicePools(geometry, 16, num_blocks=4 * n, num_cpu_blocks=2 * n, device="cuda")
     pools.pool.normal_()
     gpu_ids = torch.randperm(4 * n, generator=gen)[:n].tolist()
-    scattered = torch.randperm(n, generator=gen).tolist()
-    for layout, cpu_ids in (("consecutive", list(range(n))), ("scattered", scattered)):
+    fragmented = torch.randperm(2 * n, generator=gen)[:n].tolist()  # gaps: runs of ~2 blocks
+    for layout, cpu_ids in (("consecutive", list(range(n))), ("fragmented", fragmented)):
         out_pairs = list(zip(gpu_ids, cpu_ids, strict=True))
         in_pairs = [(c, g) for g, c in out_pairs]
         out_bw = n * block_bytes / median_s(lambda p=out_pairs: pools.swap_out(p)) / 1e9

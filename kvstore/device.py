@@ -159,6 +159,7 @@ class DevicePools:
         start = time.perf_counter()
         if not pairs:
             return 0.0
+        pairs = sorted(pairs, key=lambda pair: pair[1])  # CPU ids in order: longest runs
         chunk = self.staging.shape[0]
         with torch.cuda.stream(self.stream) if self.device.type == "cuda" else _nullcontext():
             for lo in range(0, len(pairs), chunk):
