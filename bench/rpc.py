@@ -13,7 +13,6 @@ import argparse
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 import uuid
@@ -24,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 from kvstore import protocol as p  # noqa: E402
 from kvstore.client import KVClient  # noqa: E402
-from pagedserve.cli import wait_for_kvstore  # noqa: E402
+from pagedserve.cli import spawn_kvstore  # noqa: E402
 
 
 def percentiles(samples: list[float]) -> tuple[float, float]:
@@ -43,15 +42,9 @@ def main() -> None:
     endpoint = f"ipc:///tmp/pagedserve-bench-{uuid.uuid4().hex[:8]}.sock"
     tokens = args.requests * (args.prompt + args.steps + args.warmup + 16)
     kv_gib = max(0.05, tokens / 16 * 8192 * 1.2 / (1 << 30))  # tiny model: 8 KiB blocks
-    cmd = [
-        sys.executable,
-        "-m",
-        "pagedserve.cli",
-        "kvstore",
+    flags = [
         "--device",
         args.device,
-        "--endpoint",
-        endpoint,
         "--kv-memory",
         f"{kv_gib:.3f}GiB",
         "--swap-memory",
@@ -59,15 +52,8 @@ def main() -> None:
         "--log-level",
         "WARNING",
     ]
-    daemon = subprocess.Popen(
-        cmd,
-        env={
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-        },
-    )
+    daemon = spawn_kvstore(endpoint, flags)
     try:
-        wait_for_kvstore(endpoint, daemon, 120)
         client = KVClient(endpoint)
         client.call(p.Register("bench", [(16, 0.001)], args.device, os.getpid()))
         ids = [f"req-{i}" for i in range(args.requests)]

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 from kvstore.daemon import DEFAULT_ENDPOINT, KVStoreConfig
 from pagedserve.config import add_arguments, from_namespace
@@ -58,6 +61,23 @@ def main(argv: list[str] | None = None) -> None:
         run_up(from_namespace(UpConfig, args))
 
 
+def spawn_kvstore(
+    endpoint: str, flags: list[str], timeout_s: float = 120.0, **popen: Any
+) -> subprocess.Popen[bytes]:
+    """Starts `pagedserve kvstore` as a child process (this checkout on its PYTHONPATH) and
+    returns once it answers a ping."""
+    root = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "pagedserve.cli", "kvstore", "--endpoint", endpoint, *flags]
+    process = subprocess.Popen(cmd, env=env, **popen)
+    try:
+        wait_for_kvstore(endpoint, process, timeout_s)
+    except BaseException:
+        process.kill()
+        raise
+    return process
+
+
 def wait_for_kvstore(endpoint: str, process: subprocess.Popen[bytes], timeout_s: float) -> None:
     from kvstore import protocol as p
     from kvstore.client import KVClient, KVStoreTimeout
@@ -78,38 +98,35 @@ def wait_for_kvstore(endpoint: str, process: subprocess.Popen[bytes], timeout_s:
         client.close()
 
 
+def _raise_keyboard_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def run_up(config: UpConfig) -> None:
+    """Starts every process, waits until each is healthy, prints where; Ctrl-C stops them all."""
     import shlex
 
     from pagedserve.redis_server import EmbeddedRedis
 
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     redis = EmbeddedRedis.start()
     log.info("redis at %s", redis.url)
-    cmd = [
-        sys.executable,
-        "-m",
-        "pagedserve.cli",
-        "kvstore",
-        "--endpoint",
-        config.endpoint,
-        *shlex.split(config.kvstore_args),
-    ]
-    kvstore = subprocess.Popen(cmd)
+    kvstore: subprocess.Popen[bytes] | None = None
     try:
-        wait_for_kvstore(config.endpoint, kvstore, config.startup_timeout_s)
+        flags = shlex.split(config.kvstore_args)
+        kvstore = spawn_kvstore(config.endpoint, flags, config.startup_timeout_s)
         print(
             f"pagedserve is up: redis {redis.url}, kvstore {config.endpoint}. Ctrl-C stops it.",
             flush=True,
         )
-        signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt))
         while kvstore.poll() is None:
             time.sleep(0.5)
         log.error("kvstore exited with %s", kvstore.returncode)
     except KeyboardInterrupt:
         log.info("stopping")
     finally:
-        if kvstore.poll() is None:
+        if kvstore is not None and kvstore.poll() is None:
             kvstore.send_signal(signal.SIGINT)
             try:
                 kvstore.wait(10)

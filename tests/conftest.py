@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,26 +35,12 @@ def redis_client(redis_url: str) -> Iterator[object]:
 
 def start_kvstore(*flags: str) -> tuple[subprocess.Popen[bytes], str]:
     """Starts `pagedserve kvstore` on CPU on a fresh ipc endpoint; returns once it answers."""
-    from pagedserve.cli import wait_for_kvstore
+    from pagedserve.cli import spawn_kvstore
 
     endpoint = f"ipc:///tmp/pagedserve-test-{uuid.uuid4().hex[:8]}.sock"
-    cmd = [
-        sys.executable,
-        "-m",
-        "pagedserve.cli",
-        "kvstore",
-        "--device",
-        "cpu",
-        "--endpoint",
-        endpoint,
-        *flags,
-    ]
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
-    process = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    wait_for_kvstore(endpoint, process, timeout_s=60)
+    process = spawn_kvstore(
+        endpoint, ["--device", "cpu", *flags], 60, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
     return process, endpoint
 
 

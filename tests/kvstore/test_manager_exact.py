@@ -19,10 +19,20 @@ def manager(gpu: int, cpu: int = 0, bs: int = BS) -> KVCacheManager:
 
 
 def test_core_does_not_import_torch() -> None:
-    code = (
-        "import sys, kvstore.manager, kvstore.cost_model, kvstore.leases\n"
-        "assert 'torch' not in sys.modules, 'torch imported'"
-    )
+    modules = [
+        "block_pool",
+        "prefix_index",
+        "manager",
+        "integrity",
+        "cost_model",
+        "leases",
+        "protocol",
+        "service",
+        "stats",
+        "client",
+    ]
+    code = f"import sys\nfor m in {modules!r}: __import__('kvstore.' + m)\n"
+    code += "assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
