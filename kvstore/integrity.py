@@ -5,13 +5,14 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING
 
+from kvstore.requests import Status, cdiv
+
 if TYPE_CHECKING:
     from kvstore.manager import KVCacheManager
 
 
 def check_integrity(manager: KVCacheManager) -> None:
     """Raises AssertionError on the first broken invariant."""
-    from kvstore.manager import Status, cdiv
 
     pool, index, bs = manager.pool, manager.index, manager.block_size
     pool.check_integrity()

@@ -1,0 +1,75 @@
+"""The kvstore's per-request records and the results the manager hands out. Pure Python.
+
+``Request`` is owned and mutated by ``KVCacheManager`` alone; ``Placement``, ``Growth`` and
+``TransferPlan`` are what it returns to its caller.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import NamedTuple
+
+
+class KVError(Exception):
+    """A per-request failure; ``code`` is one of the protocol's error codes."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Status(Enum):
+    RUNNING = "running"
+    SWAPPED = "swapped"  # bytes in the CPU tier
+    DROPPED = "dropped"  # preempted for recompute: no blocks
+
+
+@dataclass
+class Request:
+    req_id: str
+    worker: str
+    salt: bytes | None
+    token_ids: list[int]
+    num_computed: int = 0
+    block_ids: list[int] = field(default_factory=list)  # GPU blocks while running
+    cpu_block_ids: list[int] = field(default_factory=list)  # while swapped
+    contents: list[bytes] = field(default_factory=list)  # content hash per full known block
+    keys: list[bytes] = field(default_factory=list)  # prefix-index key per full known block
+    num_registered: int = 0  # leading computed full blocks already offered to the index
+    status: Status = Status.RUNNING
+    num_cached_tokens: int = 0
+    preemptions: int = 0
+    decision_id: int | None = None
+    orphaned_at: float | None = None
+
+
+class Placement(NamedTuple):
+    """A request's block table after admit/resume/adopt; the worker computes from num_computed."""
+
+    req_id: str
+    block_ids: list[int]
+    num_computed: int
+    num_cached_tokens: int
+
+
+class Growth(NamedTuple):
+    """What an append changed: blocks added at the table's end, and copy-on-write replacements
+    ``(position in the table, src block, dst block)`` whose copy the caller performs first."""
+
+    req_id: str
+    new_block_ids: list[int]
+    copies: list[tuple[int, int, int]]
+
+
+@dataclass
+class TransferPlan:
+    """Block copies between tiers for the daemon to run: ``(gpu block, cpu block)`` pairs."""
+
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, gpu block)
+    decisions: dict[int, int] = field(default_factory=dict)  # decision id -> blocks moved
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
