@@ -89,7 +89,8 @@ def main() -> None:
         print(f"# {' '.join(sys.argv)}")
         print("| call | p50 µs | p99 µs |")
         print("|---|---|---|")
-        mode = f"client spin {args.client_spin_us:.0f} µs, daemon {'busy-poll' if args.busy_poll else 'poll'}"
+        daemon_mode = "busy-poll" if args.busy_poll else "poll"
+        mode = f"client spin {args.client_spin_us:.0f} µs, daemon {daemon_mode}"
         step = f"Step, {args.requests} appends of 1 token ({mode})"
         print(f"| {step} | {step_p50 * 1e6:.0f} | {step_p99 * 1e6:.0f} |")
         print(f"| Ping ({mode}) | {ping_p50 * 1e6:.0f} | {ping_p99 * 1e6:.0f} |")
