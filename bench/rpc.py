@@ -2,7 +2,8 @@
 
 Starts a real daemon (`pagedserve kvstore`, ipc://), registers a worker, admits 256 requests
 (512-token prompts), then times `Step` calls that append one token to each of the 256 (every
-16th step gives each request a new block) and, for the transport floor, `Ping`.
+16th step gives each request a new block): a columnar `TokenBatch`, or with --items one
+`AppendItem` per request; and, for the transport floor, `Ping`.
 
     python bench/rpc.py [--requests 256] [--steps 1000] [--device cpu]
 """
@@ -40,6 +41,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--client-spin-us", type=float, default=0.0)
     parser.add_argument("--busy-poll", action="store_true", help="the daemon's --busy-poll")
+    parser.add_argument("--items", action="store_true", help="one AppendItem per request")
     args = parser.parse_args()
     endpoint = f"ipc:///tmp/pagedserve-bench-{uuid.uuid4().hex[:8]}.sock"
     tokens = args.requests * (args.prompt + args.steps + args.warmup + 16)
@@ -66,9 +68,15 @@ def main() -> None:
         lengths = {r: args.prompt for r in ids}
         step_s: list[float] = []
         for step in range(args.warmup + args.steps):
-            appends = [p.AppendItem(r, [step], lengths[r]) for r in ids]
+            if args.items:
+                step_body = p.Step(
+                    "bench", appends=[p.AppendItem(r, [step], lengths[r]) for r in ids]
+                )
+            else:
+                batch = p.TokenBatch(ids, [step] * len(ids), [lengths[r] for r in ids])
+                step_body = p.Step("bench", tokens=batch)
             start = time.perf_counter()
-            reply = client.call(p.Step("bench", appends=appends))
+            reply = client.call(step_body)
             elapsed = time.perf_counter() - start
             assert isinstance(reply, p.StepReply) and not reply.errors, reply
             for r in ids:
@@ -91,7 +99,8 @@ def main() -> None:
         print("|---|---|---|")
         daemon_mode = "busy-poll" if args.busy_poll else "poll"
         mode = f"client spin {args.client_spin_us:.0f} µs, daemon {daemon_mode}"
-        step = f"Step, {args.requests} appends of 1 token ({mode})"
+        shape = f"{args.requests} AppendItems" if args.items else f"TokenBatch of {args.requests}"
+        step = f"Step, {shape}, 1 token each ({mode})"
         print(f"| {step} | {step_p50 * 1e6:.0f} | {step_p99 * 1e6:.0f} |")
         print(f"| Ping ({mode}) | {ping_p50 * 1e6:.0f} | {ping_p99 * 1e6:.0f} |")
         client.close()

@@ -151,25 +151,41 @@ class KVCacheManager:
             self._register_computed(request)
         return Growth(req_id, new_blocks, copies)
 
-    def append_one_token(self, req_id: str, worker: str, token: int, num_computed: int) -> bool:
-        """The common decode step, in O(1): one token into the request's last block, which it
-        owns alone, every earlier token computed. Returns False, having changed nothing, when the
-        general ``append`` must run (a new block, a copy-on-write, a block to register, an error).
-        """
-        r = self.requests.get(req_id)
-        if r is None or r.worker != worker or r.status is not Status.RUNNING:
-            return False
-        n, bs = len(r.token_ids), self.block_size
-        if num_computed != n or n % bs == 0 or n // bs != r.num_registered:
-            return False
-        last = r.block_ids[-1]
-        if self.pool.ref_counts[last] > 1 or self.pool.cached[last]:
-            return False
-        r.token_ids.append(token)
-        r.num_computed = n
-        if (n + 1) % bs == 0:  # the last block is full of known tokens now: hash it
-            self._extend_hashes(r)
-        return True
+    def append_tokens(
+        self, worker: str, req_ids: list[str], token_ids: list[int], num_computed: list[int]
+    ) -> list[int]:
+        """The decode step's bulk: one token for each request, in a tight loop. Applies every
+        item that takes the common path (its token goes into the request's last block, which it
+        owns alone, every earlier token computed) and returns the indices of the others, left
+        untouched, for the general ``append`` (a new block, a copy-on-write, a block to register,
+        an error)."""
+        requests, bs, running = self.requests, self.block_size, Status.RUNNING
+        refs, cached = self.pool.ref_counts, self.pool.cached
+        general: list[int] = []
+        for i, (req_id, token, computed) in enumerate(
+            zip(req_ids, token_ids, num_computed, strict=True)
+        ):
+            r = requests.get(req_id)
+            if r is None or r.worker != worker or r.status is not running:
+                general.append(i)
+                continue
+            tokens = r.token_ids
+            n = len(tokens)
+            last = r.block_ids[-1]
+            if (
+                computed != n
+                or n % bs == 0
+                or n // bs != r.num_registered
+                or refs[last] > 1
+                or cached[last]
+            ):
+                general.append(i)
+                continue
+            tokens.append(token)
+            r.num_computed = n
+            if (n + 1) % bs == 0:  # the last block is full of known tokens now: hash it
+                self._extend_hashes(r)
+        return general
 
     def _must_copy(self, block: int) -> bool:
         return self.pool.ref_counts[block] > 1 or self.pool.cached[block]

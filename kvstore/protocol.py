@@ -87,6 +87,16 @@ class AppendItem(_Item):
     num_computed: int
 
 
+class TokenBatch(_Item):
+    """One new token for each of many requests, columnar: the decode step's bulk (three lists of
+    one length; ``num_computed[i]`` as in ``AppendItem``). Cheaper to encode, decode and apply
+    than one ``AppendItem`` per request."""
+
+    req_ids: list[str]
+    token_ids: list[int]
+    num_computed: list[int]
+
+
 class ForkItem(_Item):
     parent_id: str
     child_ids: list[str]
@@ -101,7 +111,7 @@ class CostReport(_Item):
 
 class Step(_Msg):
     """One engine step's KV work, applied in this order: costs, frees, preempts, resumes, forks,
-    admits, appends. Each item succeeds or fails alone (see ``StepReply.errors``)."""
+    admits, appends, tokens. Each item succeeds or fails alone (see ``StepReply.errors``)."""
 
     worker_id: str
     frees: list[str] = []
@@ -111,6 +121,7 @@ class Step(_Msg):
     admits: list[AdmitItem] = []
     appends: list[AppendItem] = []
     costs: list[CostReport] = []
+    tokens: TokenBatch | None = None
 
 
 class GetStats(_Msg):

@@ -131,19 +131,33 @@ class KVService:
                 self._each(reply, "fork", child, self._fork, fork.parent_id, child, worker, reply)
         for item in body.admits:
             self._each(reply, "admit", item.req_id, self._admit, item, worker, reply)
-        fast = m.append_one_token
-        for item in body.appends:  # the hot path: one per running request per step
-            tokens = item.token_ids
-            if len(tokens) == 1 and fast(item.req_id, worker, tokens[0], item.num_computed):
-                continue
-            try:
-                growth = m.append(item.req_id, worker, item.token_ids, item.num_computed)
-            except KVError as err:
-                reply.errors.append(p.ItemError(item.req_id, "append", err.code, str(err)))
-                continue
-            if growth.new_block_ids or growth.copies:
-                reply.appended.append(p.Grown(*growth))
+        for item in body.appends:
+            self._append(reply, worker, item.req_id, item.token_ids, item.num_computed)
+        if body.tokens is not None:
+            self._append_tokens(reply, worker, body.tokens)
         return reply
+
+    def _append(
+        self, reply: p.StepReply, worker: str, req_id: str, tokens: list[int], computed: int
+    ) -> None:
+        try:
+            growth = self.manager.append(req_id, worker, tokens, computed)
+        except KVError as err:
+            reply.errors.append(p.ItemError(req_id, "append", err.code, str(err)))
+            return
+        if growth.new_block_ids or growth.copies:
+            reply.appended.append(p.Grown(*growth))
+
+    def _append_tokens(self, reply: p.StepReply, worker: str, batch: p.TokenBatch) -> None:
+        ids, tokens, computed = batch.req_ids, batch.token_ids, batch.num_computed
+        if not len(ids) == len(tokens) == len(computed):
+            message = (
+                f"TokenBatch lists differ in length: {len(ids)}, {len(tokens)}, {len(computed)}"
+            )
+            reply.errors.append(p.ItemError("", "append", "bad_argument", message))
+            return
+        for i in self.manager.append_tokens(worker, ids, tokens, computed):
+            self._append(reply, worker, ids[i], [tokens[i]], computed[i])
 
     @staticmethod
     def _each(

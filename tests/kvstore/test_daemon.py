@@ -197,3 +197,24 @@ def test_unregister_orphans_at_once_and_heartbeat_renews(client: KVClient) -> No
     rows = {r.req_id: r for r in client.call(p.GetStats()).requests}
     assert rows["u1"].worker == "w-takes" and not rows["u1"].orphaned
     client.call(p.Step("w-takes", frees=["u1"]))
+
+
+def test_token_batch_takes_the_fast_path_and_falls_back_per_item(client: KVClient) -> None:
+    register(client, "w-tok")
+    admits = [
+        p.AdmitItem("t1", list(range(7000, 7020))),
+        p.AdmitItem("t2", list(range(8000, 8032))),
+    ]
+    client.call(p.Step("w-tok", admits=admits))
+    client.call(p.Step("w-tok", appends=[p.AppendItem("t1", [1], 20), p.AppendItem("t2", [1], 31)]))
+    # t1 (21 tokens) stays in its block; t2's 33rd token needs a new block; t3 does not exist.
+    batch = p.TokenBatch(["t1", "t2", "t3"], [2, 2, 2], [21, 32, 0])
+    reply = client.call(p.Step("w-tok", tokens=batch))
+    assert [(g.req_id, len(g.new_block_ids)) for g in reply.appended] == [("t2", 1)]
+    assert [(e.req_id, e.code) for e in reply.errors] == [("t3", "unknown_request")]
+    rows = {r.req_id: r for r in client.call(p.GetStats()).requests}
+    assert (rows["t1"].tokens, rows["t1"].num_computed) == (22, 21)
+    assert (rows["t2"].tokens, rows["t2"].gpu_blocks) == (33, 3)
+    bad = client.call(p.Step("w-tok", tokens=p.TokenBatch(["t1"], [1, 2], [22])))
+    assert bad.errors[0].code == "bad_argument" and "differ in length" in bad.errors[0].message
+    client.call(p.Step("w-tok", frees=["t1", "t2"]))

@@ -89,8 +89,8 @@ class KVMachine(RuleBasedStateMachine):
         False when the pool has no room."""
         r = self.m.requests[req_id]
         written = self.written[req_id]
-        if len(new) == 1 and self.m.append_one_token(req_id, r.worker, new[0], written):
-            return True  # by contract the same as an append that changed no block
+        if len(new) == 1 and not self.m.append_tokens(r.worker, [req_id], new, [written]):
+            return True  # the tight decode loop took it: the same as an append changing no block
         try:
             growth = self.m.append(req_id, r.worker, new, written)
         except KVError as err:

@@ -22,6 +22,7 @@ SAMPLES: list[msgspec.Struct] = [
     p.AdmitItem("r1", [1, 2, 3], b"salt", adopt=True),
     p.AppendItem("r1", [9], 3),
     p.ForkItem("r1", ["r1.1", "r1.2"]),
+    p.TokenBatch(["r1", "r2"], [5, 6], [10, 20]),
     p.CostReport("r1", 0.25),
     p.Step(
         "w1",
@@ -32,6 +33,7 @@ SAMPLES: list[msgspec.Struct] = [
         [p.AdmitItem("f", [1])],
         [p.AppendItem("g", [2], 1)],
         [p.CostReport("h", 1.5)],
+        p.TokenBatch(["i"], [3], [4]),
     ),
     p.GetStats(3),
     p.ResetCache(),
