@@ -203,7 +203,7 @@ def test_token_batch_takes_the_fast_path_and_falls_back_per_item(client: KVClien
     register(client, "w-tok")
     admits = [
         p.AdmitItem("t1", list(range(7000, 7020))),
-        p.AdmitItem("t2", list(range(8000, 8032))),
+        p.AdmitItem("t2", list(range(8000, 8031))),
     ]
     client.call(p.Step("w-tok", admits=admits))
     client.call(p.Step("w-tok", appends=[p.AppendItem("t1", [1], 20), p.AppendItem("t2", [1], 31)]))
