@@ -39,14 +39,15 @@ class KVClient:
 
     def call(self, body: p.Request) -> p.ReplyBody:
         """Sends ``body`` and returns the reply body; raises ``KVStoreError`` on an Error reply."""
-        reply = self.call_raw(p.encode(p.Call(p.PROTOCOL_VERSION, next(self._ids), body)))
+        call_id = next(self._ids)
+        reply = self.call_raw(p.encode(p.Call(p.PROTOCOL_VERSION, call_id, body)), call_id=call_id)
         if isinstance(reply.body, p.Error):
             raise KVStoreError(reply.body.code, reply.body.message)
         return reply.body
 
-    def call_raw(self, *frames: bytes) -> p.Reply:
-        """Sends raw frames (tests use it for garbage) and waits for the matching reply."""
-        call_id = p.peek_header(frames[0])[1] if len(frames) == 1 else None
+    def call_raw(self, *frames: bytes, call_id: int | None = None) -> p.Reply:
+        """Sends raw frames and waits for the reply to ``call_id`` (None: the next reply; tests
+        send garbage this way). Replies to earlier, timed-out calls are skipped."""
         self._sock.send_multipart(list(frames))
         while True:
             reply = p.decode_reply(self._receive())

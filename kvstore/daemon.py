@@ -155,25 +155,39 @@ class Daemon:
 
     def reply_to(self, frames: list[bytes]) -> bytes:
         """The encoded reply to one received message (never raises)."""
-        version, call_id = None, 0
+        call_id = 0
         try:
             if len(frames) != 1:
                 raise ValueError(f"expected one payload frame, got {len(frames)}")
-            version, peeked_id = p.peek_header(frames[0])
-            call_id = peeked_id or 0
-            if version is not None and version != p.PROTOCOL_VERSION:
-                body: p.ReplyBody = p.Error(
-                    "version", f"protocol version {version} is not {p.PROTOCOL_VERSION}"
-                )
-            else:
+            try:
                 call = p.decode_call(frames[0])
-                body = self.service.handle(call.body)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                # Only now look at the header: another version, or garbage?
+                version, peeked_id = p.peek_header(frames[0])
+                call_id = peeked_id or 0
+                if version is None or version == p.PROTOCOL_VERSION:
+                    raise
+                return self._error(
+                    call_id, "version", f"protocol version {version} is not {p.PROTOCOL_VERSION}"
+                )
+            call_id = call.call_id
+            if call.version != p.PROTOCOL_VERSION:
+                return self._error(
+                    call_id,
+                    "version",
+                    f"protocol version {call.version} is not {p.PROTOCOL_VERSION}",
+                )
+            body = self.service.handle(call.body)
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as err:
             body = p.Error("bad_message", f"cannot decode the message: {err}")
         except Exception as err:  # the daemon keeps serving whatever a handler does
             log.exception("handler failed")
             body = p.Error("internal", f"{type(err).__name__}: {err}")
         return p.encode(p.Reply(p.PROTOCOL_VERSION, call_id, body))
+
+    @staticmethod
+    def _error(call_id: int, code: str, message: str) -> bytes:
+        return p.encode(p.Reply(p.PROTOCOL_VERSION, call_id, p.Error(code, message)))
 
     def serve_forever(self) -> None:
         log.info("kvstore serving on %s", self.endpoint)
