@@ -70,7 +70,6 @@ class KVCacheManager:
         request = self._get(req_id)
         if request.orphaned_at is None and request.worker != worker:
             raise KVError("conflict", f"request {req_id!r} is held by live worker {request.worker}")
-        request.worker, request.orphaned_at = worker, None
         common = 0
         for mine, theirs in zip(request.token_ids, token_ids, strict=False):
             if mine != theirs:
@@ -80,6 +79,7 @@ class KVCacheManager:
             raise KVError(
                 "bad_argument", f"tokens of {req_id!r} share no prefix with the kvstore's"
             )
+        request.worker, request.orphaned_at = worker, None
         self._truncate(request, common)
         if request.status is not Status.RUNNING:
             return self._resume_one(request)

@@ -215,6 +215,9 @@ def test_orphans_adopted_or_reclaimed_after_grace() -> None:
     with pytest.raises(KVError, match="live worker"):
         m.adopt("a", "w2", list(range(20)))
     assert m.orphan_worker("w1", now=10.0) == ["a", "b"]
+    with pytest.raises(KVError, match="share no prefix"):
+        m.adopt("a", "w2", [99])
+    assert m.requests["a"].worker == "w1" and m.requests["a"].orphaned_at == 10.0  # untouched
     # The new worker saw one streamed token of the two the kvstore holds: cut to the common prefix.
     placement, plan = m.adopt("a", "w2", [*range(20), 5])
     assert placement.num_computed == 20 and len(m.requests["a"].token_ids) == 21
