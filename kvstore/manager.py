@@ -228,10 +228,9 @@ class KVCacheManager:
     ) -> tuple[list[str], TransferPlan]:
         """Preempts running requests, each by swap or recompute per the cost model. Returns the
         mode per request and the swap-out plan, which must run before the next manager call."""
-        modes, plan = [], TransferPlan()
-        for req_id in req_ids:
-            modes.append(self._preempt_one(self._owned(req_id, worker, Status.RUNNING), now, plan))
-        return modes, plan
+        victims = [self._owned(req_id, worker, Status.RUNNING) for req_id in req_ids]  # all or none
+        plan = TransferPlan()
+        return [self._preempt_one(victim, now, plan) for victim in victims], plan
 
     def _preempt_one(self, request: Request, now: float, plan: TransferPlan) -> str:
         blocks = request.block_ids
@@ -319,7 +318,8 @@ class KVCacheManager:
         for block in blocks:
             self.pool.mark_uncached(block)
         for request in self.requests.values():
-            request.num_registered = request.num_computed // self.block_size
+            if request.status is Status.RUNNING:  # its computed blocks are not offered again
+                request.num_registered = request.num_computed // self.block_size
         return len(blocks)
 
     def check_integrity(self) -> None:
