@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -130,3 +131,15 @@ def test_map_pool_rejects_a_missing_gpu() -> None:
     handle = p.CudaIpcHandle("GPU-nope", b"x", 1, 0, b"", 0, b"", False)
     with pytest.raises(RuntimeError, match="not visible"):
         map_pool(p.PoolInfo("cuda_ipc", [1], "float32", 16, cuda=handle))
+
+
+def test_expandable_segments_are_forced_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvstore.daemon import disable_expandable_segments
+
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64,expandable_segments:True")
+    disable_expandable_segments()
+    conf = os.environ["PYTORCH_CUDA_ALLOC_CONF"]
+    assert conf == "max_split_size_mb:64,expandable_segments:False"
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    disable_expandable_segments()
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:False"
