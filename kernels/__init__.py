@@ -1,0 +1,26 @@
+"""Triton kernels of PagedAttention: paged decode / prefill attention and KV-cache writes.
+
+Pure-torch references live in ``kernels.reference``. The Triton launchers are imported lazily
+(PEP 562), so ``import kernels.reference`` never imports triton.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAUNCHERS = {
+    "store_kv": "kernels.cache_ops",
+    "copy_blocks": "kernels.cache_ops",
+    "paged_decode": "kernels.decode",
+    "choose_num_splits": "kernels.decode",
+    "paged_prefill": "kernels.prefill",
+}
+
+__all__ = ["choose_num_splits", "copy_blocks", "paged_decode", "paged_prefill", "store_kv"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAUNCHERS:
+        return getattr(importlib.import_module(_LAUNCHERS[name]), name)
+    raise AttributeError(f"module 'kernels' has no attribute {name!r}")

@@ -1,0 +1,298 @@
+"""Paged decode attention: one query token per request, GQA-aware, optional split-K.
+
+Each program owns one (request, kv head, split): it loads the query heads of that kv head's group
+as the rows of one tile, so every K/V tile read through the block table serves the whole group.
+With ``num_splits > 1`` the context is cut into equal, BLOCK_N-aligned token ranges, each program
+writes its normalised partial output and log-sum-exp, and a second kernel merges them
+(flash-decoding). ``num_splits == 1`` writes the output directly (no second stage).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._checks import check_attention_args, next_pow2
+from kernels._tl_utils import INTERPRET, load_rows, mma
+
+__all__ = ["choose_num_splits", "decode_config", "paged_decode", "split_plan"]
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_step(
+    q, acc, m_i, l_i, k_ptr, v_ptr, bt_row, n0, end, head_off, qk_scale, stride_cb, stride_ct,
+    d, d_mask,
+    EVEN_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """One BLOCK_N tile of keys for the group's query rows: online-softmax update. Every tile is
+    masked (an unmasked main loop measured 20-25% slower on the H200)."""
+    n = n0 + tl.arange(0, BLOCK_N)
+    n_mask = n < end
+    block = tl.load(bt_row + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+    tok_off = block * stride_cb + (n % BLOCK_SIZE) * stride_ct + head_off  # [BLOCK_N]
+    k = load_rows(k_ptr + tok_off[:, None] + d[None, :], n_mask, d_mask, True, EVEN_D)
+    v = load_rows(v_ptr + tok_off[:, None] + d[None, :], n_mask, d_mask, True, EVEN_D)
+    s = mma(q, tl.trans(k), UPCAST) * qk_scale  # [GROUP_PAD, BLOCK_N], log2 domain
+    s = tl.where(n_mask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, UPCAST)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    bt_ptr,
+    cl_ptr,
+    out_ptr,
+    part_ptr,
+    lse_ptr,
+    qk_scale,
+    tokens_per_split,
+    num_splits,
+    stride_qb,
+    stride_qh,
+    stride_cb,
+    stride_ct,
+    stride_ch,
+    stride_btb,
+    stride_ob,
+    stride_oh,
+    IS_SPLIT: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    b = tl.program_id(0)
+    hkv = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(cl_ptr + b)
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, ctx)
+    if IS_SPLIT and start >= ctx:
+        return  # this split is past the request's context: the reduce never reads it
+
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, D_PAD)
+    g_mask = g < GROUP
+    d_mask = d < HEAD_DIM
+    heads = hkv * GROUP + g
+    EVEN_D: tl.constexpr = HEAD_DIM == D_PAD
+    # q: [GROUP_PAD, D_PAD]
+    q = tl.load(
+        q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_btb
+    head_off = hkv * stride_ch
+    for n0 in range(start, end, BLOCK_N):  # one masked loop pipelines best (see bench notes)
+        acc, m_i, l_i = _decode_step(
+            q, acc, m_i, l_i, k_ptr, v_ptr, bt_row, n0, end, head_off, qk_scale,
+            stride_cb, stride_ct, d, d_mask, EVEN_D, BLOCK_SIZE, BLOCK_N, UPCAST,
+        )  # fmt: skip
+
+    out_mask = g_mask[:, None] & d_mask[None, :]
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # context 0: write zeros, not NaN
+    o = acc / l_safe[:, None]
+    if not IS_SPLIT:
+        dst = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :]
+        tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        # part: [B, q_heads, num_splits, D_PAD] fp32; lse: [B, q_heads, num_splits] fp32 (log2)
+        row = (b.to(tl.int64) * (tl.num_programs(1) * GROUP) + heads) * num_splits + split
+        tl.store(part_ptr + row[:, None] * D_PAD + d[None, :], o, mask=out_mask)
+        tl.store(lse_ptr + row, m_i + tl.log2(l_safe), mask=g_mask)
+
+
+@triton.jit
+def _reduce_kernel(
+    part_ptr,
+    lse_ptr,
+    cl_ptr,
+    out_ptr,
+    tokens_per_split,
+    num_splits,
+    stride_ob,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    """Merge the partial outputs of the splits a request actually used. Grid (B, q_heads)."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    ctx = tl.load(cl_ptr + b)
+    n_used = tl.cdiv(ctx, tokens_per_split)
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, D_PAD)
+    s_mask = s < n_used
+    row0 = (b.to(tl.int64) * tl.num_programs(1) + h) * num_splits
+    lse = tl.load(lse_ptr + row0 + s, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(n_used > 0, m, 0.0)
+    w = tl.where(s_mask, tl.exp2(lse - m), 0.0)  # [SPLITS_PAD]
+    part = tl.load(
+        part_ptr + (row0 + s)[:, None] * D_PAD + d[None, :],
+        mask=s_mask[:, None] & (d < HEAD_DIM)[None, :],
+        other=0.0,
+    )
+    denom = tl.sum(w, 0)
+    denom = tl.where(denom > 0.0, denom, 1.0)
+    o = tl.sum(part * w[:, None], 0) / denom
+    dst = out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + d
+    tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+def decode_config(head_dim: int, group: int) -> dict[str, int]:
+    """Tile and launch parameters of the split kernel (chosen on the H200, see bench)."""
+    d_pad = next_pow2(head_dim)
+    block_n = 64 if d_pad <= 128 else 32
+    stages = 3 if d_pad <= 128 else 2
+    return {"BLOCK_N": block_n, "num_warps": 4, "num_stages": stages}
+
+
+def choose_num_splits(
+    batch: int, kv_heads: int, max_context: int, num_sms: int, block_n: int
+) -> int:
+    """Measured heuristic (bench/kernels.py split sweep, H200): no split once the grid has
+    2.5 programs per SM; otherwise the power of two that brings it to ~4 per SM, never giving a
+    split fewer than 2 tiles (2*BLOCK_N tokens), at most 128 splits."""
+    programs = batch * kv_heads
+    if 2 * programs >= 5 * num_sms:
+        return 1
+    want = 1 << (triton.cdiv(4 * num_sms, programs).bit_length() - 1)  # round down to 2^k
+    cap = max(1, max_context // (2 * block_n))
+    return max(1, min(want, cap, 128))
+
+
+def split_plan(max_context: int, num_splits: int, block_n: int) -> tuple[int, int]:
+    """(splits launched, tokens per split): equal BLOCK_N-aligned ranges over max_context,
+    dropping splits that would start past it. Request b uses cdiv(context_b, tokens) of them."""
+    assert num_splits >= 1, "num_splits must be >= 1"
+    max_context = max(max_context, 1)
+    if num_splits == 1:
+        return 1, max_context
+    tokens = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
+    return triton.cdiv(max_context, tokens), tokens
+
+
+_NUM_SMS: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _NUM_SMS[idx]
+
+
+def paged_decode(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Decode attention; returns out [B, q_heads, head_dim] in query.dtype.
+
+    query: [B, q_heads, D]; k_cache, v_cache: [num_blocks, block_size, kv_heads, D] views;
+    block_tables: [B, max_blocks] int32; context_lens: [B] int32 (0 gives zeros).
+    Entries of block_tables past a request's context are never read. The split bound is
+    max_blocks * block_size, known on the host: no device sync, so the call can be graph-captured.
+    num_splits: None = heuristic (``choose_num_splits``), 1 = single-pass path.
+    """
+    block_size, q_heads, kv_heads, head_dim = check_attention_args(
+        query, k_cache, v_cache, block_tables
+    )
+    batch = query.shape[0]
+    assert block_tables.shape[0] == batch, "block_tables must have one row per request"
+    assert context_lens.shape == (batch,) and context_lens.dtype == torch.int32, (
+        "context_lens must be [B] int32"
+    )
+    assert context_lens.device == query.device, "context_lens on another device"
+    out = torch.empty_like(query)
+    if batch == 0:
+        return out
+    group = q_heads // kv_heads
+    d_pad = next_pow2(head_dim)
+    cfg = decode_config(head_dim, group)
+    block_n = cfg["BLOCK_N"]
+    max_context = block_tables.shape[1] * block_size
+    if num_splits is None:
+        sms = _num_sms(query.device)
+        num_splits = choose_num_splits(batch, kv_heads, max_context, sms, block_n)
+    num_splits, tokens_per_split = split_plan(max_context, num_splits, block_n)
+    if num_splits > 1:
+        part = torch.empty(
+            (batch, q_heads, num_splits, d_pad), device=query.device, dtype=torch.float32
+        )
+        lse = torch.empty((batch, q_heads, num_splits), device=query.device, dtype=torch.float32)
+    else:
+        part = lse = out  # unused by the single-pass kernel
+    _decode_kernel[(batch, kv_heads, num_splits)](
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        out,
+        part,
+        lse,
+        scale * LOG2E,
+        tokens_per_split,
+        num_splits,
+        query.stride(0),
+        query.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        IS_SPLIT=num_splits > 1,
+        GROUP=group,
+        GROUP_PAD=max(16, next_pow2(group)),
+        HEAD_DIM=head_dim,
+        D_PAD=d_pad,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=block_n,
+        UPCAST=INTERPRET,
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+    if num_splits > 1:
+        _reduce_kernel[(batch, q_heads)](
+            part,
+            lse,
+            context_lens,
+            out,
+            tokens_per_split,
+            num_splits,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            D_PAD=d_pad,
+            SPLITS_PAD=next_pow2(num_splits),
+            num_warps=4,
+        )
+    return out

@@ -1,0 +1,275 @@
+"""Paged prefill / extend attention over packed variable-length chunks.
+
+The new tokens of request b (rows cu_seqlens_q[b]:cu_seqlens_q[b+1] of the packed query) sit at the
+end of its context_lens[b] keys, which are all in the paged cache already (store_kv ran first), so
+one causal pass through the block table covers the cached prefix and the chunk itself. A program
+owns one (request, kv head, tile of tokens); the rows of its query tile are (token, head-of-group)
+pairs, so every K/V tile it loads serves all query heads of the group (GQA). Keys below the tile's
+first position are visible to every row and go through an unmasked loop; only the diagonal
+stretch is masked. Decode rows (q_len 1) mix freely into the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._checks import check_attention_args, next_pow2
+from kernels._tl_utils import INTERPRET, load_rows, mma
+
+__all__ = ["paged_prefill", "prefill_config"]
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _tile_step(
+    q,
+    acc,
+    m_i,
+    l_i,
+    k_ptr,
+    v_ptr,
+    bt_row,
+    n0,
+    kv_end,
+    pos,
+    head_off,
+    qk_scale,
+    stride_cb,
+    stride_ct,
+    d,
+    d_mask,
+    MASKED: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """One BLOCK_N tile of keys: online-softmax update of (acc, m_i, l_i)."""
+    n = n0 + tl.arange(0, BLOCK_N)
+    n_mask = n < kv_end
+    if MASKED:
+        block = tl.load(bt_row + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+    else:
+        block = tl.load(bt_row + n // BLOCK_SIZE).to(tl.int64)
+    tok_off = block * stride_cb + (n % BLOCK_SIZE) * stride_ct + head_off  # [BLOCK_N]
+    k = load_rows(k_ptr + tok_off[:, None] + d[None, :], n_mask, d_mask, MASKED, EVEN_D)
+    s = mma(q, tl.trans(k), UPCAST) * qk_scale  # [BLOCK_M, BLOCK_N], log2 domain
+    if MASKED:
+        visible = (n[None, :] <= pos[:, None]) & n_mask[None, :]
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = load_rows(v_ptr + tok_off[:, None] + d[None, :], n_mask, d_mask, MASKED, EVEN_D)
+    acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, UPCAST)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    bt_ptr,
+    cu_ptr,
+    cl_ptr,
+    out_ptr,
+    qk_scale,
+    kv_heads,
+    num_m_tiles,
+    stride_qt,
+    stride_qh,
+    stride_cb,
+    stride_ct,
+    stride_ch,
+    stride_btb,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """Grid (B * kv_heads, num_m_tiles); tiles with the most keys are scheduled first."""
+    b = tl.program_id(0) // kv_heads
+    hkv = tl.program_id(0) % kv_heads
+    tile = num_m_tiles - 1 - tl.program_id(1)
+    tokens_per_tile: tl.constexpr = BLOCK_M // GROUP
+    q_start = tl.load(cu_ptr + b)
+    q_len = tl.load(cu_ptr + b + 1) - q_start
+    tok0 = tile * tokens_per_tile
+    if tok0 >= q_len:
+        return
+    ctx = tl.load(cl_ptr + b)
+    base = ctx - q_len  # absolute position of the chunk's first token
+
+    r = tl.arange(0, BLOCK_M)
+    tok = tok0 + r // GROUP
+    g = r % GROUP
+    row_mask = (r < tokens_per_tile * GROUP) & (tok < q_len)
+    pos = base + tok  # [BLOCK_M] absolute position of each row
+    d = tl.arange(0, D_PAD)
+    d_mask = d < HEAD_DIM
+    q_rows = (q_start + tok).to(tl.int64) * stride_qt + (hkv * GROUP + g) * stride_qh
+    # q: [BLOCK_M, D_PAD]
+    q = tl.load(
+        q_ptr + q_rows[:, None] + d[None, :], mask=row_mask[:, None] & d_mask[None, :], other=0.0
+    )
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_btb
+    head_off = hkv * stride_ch
+    # keys 0..base+tok0 are visible to every row of the tile
+    full_end = ((base + tok0 + 1) // BLOCK_N) * BLOCK_N
+    kv_end = base + tl.minimum(q_len, tok0 + tokens_per_tile)
+    for n0 in range(0, full_end, BLOCK_N):
+        acc, m_i, l_i = _tile_step(
+            q,
+            acc,
+            m_i,
+            l_i,
+            k_ptr,
+            v_ptr,
+            bt_row,
+            n0,
+            kv_end,
+            pos,
+            head_off,
+            qk_scale,
+            stride_cb,
+            stride_ct,
+            d,
+            d_mask,
+            False,
+            HEAD_DIM == D_PAD,
+            BLOCK_SIZE,
+            BLOCK_N,
+            UPCAST,
+        )
+    for n0 in range(full_end, kv_end, BLOCK_N):
+        acc, m_i, l_i = _tile_step(
+            q,
+            acc,
+            m_i,
+            l_i,
+            k_ptr,
+            v_ptr,
+            bt_row,
+            n0,
+            kv_end,
+            pos,
+            head_off,
+            qk_scale,
+            stride_cb,
+            stride_ct,
+            d,
+            d_mask,
+            True,
+            HEAD_DIM == D_PAD,
+            BLOCK_SIZE,
+            BLOCK_N,
+            UPCAST,
+        )
+    o = acc / l_i[:, None]
+    o_rows = (q_start + tok).to(tl.int64) * stride_ot + (hkv * GROUP + g) * stride_oh
+    tl.store(
+        out_ptr + o_rows[:, None] + d[None, :],
+        o.to(out_ptr.dtype.element_ty),
+        mask=row_mask[:, None] & d_mask[None, :],
+    )
+
+
+def prefill_config(head_dim: int, group: int) -> dict[str, int]:
+    """Tile and launch parameters (chosen on the H200, see bench/kernels.py)."""
+    d_pad = next_pow2(head_dim)
+    if d_pad <= 64:
+        cfg = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+    elif d_pad <= 128:
+        cfg = {"BLOCK_M": 256, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
+    else:
+        cfg = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+    while cfg["BLOCK_M"] < group:  # a tile holds at least one token's whole group
+        cfg["BLOCK_M"] *= 2
+    return cfg
+
+
+def paged_prefill(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    max_query_len: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of packed chunks over their paged context; out [T, q_heads, D].
+
+    query: [T, q_heads, D] packed (rows past cu_seqlens_q[-1] are left unwritten);
+    k_cache, v_cache: [num_blocks, block_size, kv_heads, D] views; block_tables: [B, max_blocks]
+    int32; cu_seqlens_q: [B+1] int32; context_lens: [B] int32, each >= that request's q_len and
+    counting the chunk's own tokens (already stored). max_query_len: largest q_len in the batch;
+    None reads it from cu_seqlens_q (one device sync).
+    """
+    block_size, q_heads, kv_heads, head_dim = check_attention_args(
+        query, k_cache, v_cache, block_tables
+    )
+    batch = block_tables.shape[0]
+    assert cu_seqlens_q.shape == (batch + 1,) and cu_seqlens_q.dtype == torch.int32, (
+        "cu_seqlens_q must be [B+1] int32"
+    )
+    assert context_lens.shape == (batch,) and context_lens.dtype == torch.int32, (
+        "context_lens must be [B] int32"
+    )
+    for t in (cu_seqlens_q, context_lens):
+        assert t.device == query.device, "all tensors must be on one device"
+    out = torch.empty_like(query)
+    if batch == 0 or query.shape[0] == 0:
+        return out
+    if max_query_len is None:
+        max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item())
+    if max_query_len <= 0:
+        return out
+    group = q_heads // kv_heads
+    cfg = prefill_config(head_dim, group)
+    tokens_per_tile = cfg["BLOCK_M"] // group
+    num_m_tiles = triton.cdiv(max_query_len, tokens_per_tile)
+    _prefill_kernel[(batch * kv_heads, num_m_tiles)](
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        cu_seqlens_q,
+        context_lens,
+        out,
+        scale * LOG2E,
+        kv_heads,
+        num_m_tiles,
+        query.stride(0),
+        query.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        D_PAD=next_pow2(head_dim),
+        BLOCK_SIZE=block_size,
+        BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_N=cfg["BLOCK_N"],
+        UPCAST=INTERPRET,
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+    return out

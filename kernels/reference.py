@@ -1,0 +1,153 @@
+"""Pure-torch references for every kernel in this package: the only oracle of tests and benchmarks.
+
+Every function here computes in fp32, returns the input dtype, and never mutates its inputs
+(``store_kv_reference`` and ``copy_blocks_reference`` return new tensors). They are also the CPU
+implementation the compute worker runs, so they loop over requests, never over tokens, and use
+torch alone (importing this module must not import triton).
+
+Cache layout (see DESIGN.md): ``k_cache``/``v_cache`` are ``[num_blocks, block_size, kv_heads,
+head_dim]`` views, usually ``pool[:, layer, 0]`` / ``pool[:, layer, 1]`` of the block-major pool
+``[num_blocks, num_layers, 2, block_size, kv_heads, head_dim]``. A slot is
+``block_id * block_size + offset_in_block``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "copy_blocks_reference",
+    "gather_kv",
+    "paged_decode_reference",
+    "paged_prefill_reference",
+    "store_kv_reference",
+]
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` tokens of one request, in position order.
+
+    cache: [num_blocks, block_size, kv_heads, head_dim]; block_table: [max_blocks] (any int dtype).
+    Returns a new tensor [length, kv_heads, head_dim] in the cache dtype.
+    """
+    block_size = cache.shape[1]
+    n_blocks = (length + block_size - 1) // block_size
+    ids = block_table[:n_blocks].to(device=cache.device, dtype=torch.long)
+    # kv: [n_blocks * block_size, kv_heads, head_dim]
+    kv = cache.index_select(0, ids).reshape(-1, cache.shape[2], cache.shape[3])
+    return kv[:length]
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Causal GQA attention of one request in fp32.
+
+    q: [q_len, q_heads, D]; k, v: [kv_len, kv_heads, D]; q_pos: [q_len] absolute positions.
+    Query at position p sees keys 0..p. Returns [q_len, q_heads, D] fp32.
+    """
+    q_heads, kv_heads = q.shape[1], k.shape[1]
+    group = q_heads // kv_heads
+    qf = q.float().permute(1, 0, 2)  # [q_heads, q_len, D]
+    kf = k.float().permute(1, 0, 2).repeat_interleave(group, dim=0)  # [q_heads, kv_len, D]
+    vf = v.float().permute(1, 0, 2).repeat_interleave(group, dim=0)
+    scores = torch.matmul(qf, kf.transpose(1, 2)) * scale  # [q_heads, q_len, kv_len]
+    k_pos = torch.arange(k.shape[0], device=q.device)
+    visible = k_pos[None, :] <= q_pos[:, None]  # [q_len, kv_len]
+    scores = scores.masked_fill(~visible[None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, vf).permute(1, 0, 2)  # [q_len, q_heads, D]
+
+
+def paged_decode_reference(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """One query token per request over its ``context_lens[b]`` cached tokens.
+
+    query: [B, q_heads, D]; block_tables: [B, max_blocks]; context_lens: [B].
+    Returns [B, q_heads, D] in query.dtype; a request with context 0 gets zeros.
+    ``num_splits`` is accepted for signature parity and ignored.
+    """
+    del num_splits
+    out = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
+    lens = context_lens.tolist()
+    for b, ctx in enumerate(lens):
+        if ctx <= 0:
+            continue
+        k = gather_kv(k_cache, block_tables[b], ctx)
+        v = gather_kv(v_cache, block_tables[b], ctx)
+        pos = torch.tensor([ctx - 1], device=query.device)
+        out[b] = _attend(query[b : b + 1], k, v, pos, scale)[0]
+    return out.to(query.dtype)
+
+
+def paged_prefill_reference(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    max_query_len: int | None = None,
+) -> torch.Tensor:
+    """Packed chunks attending causally to themselves and to their cached context.
+
+    query: [T, q_heads, D] packed; request b owns rows cu_seqlens_q[b]:cu_seqlens_q[b+1].
+    context_lens[b] counts all of b's keys, its new tokens included (already in the cache);
+    query row i of b sits at position context_lens[b] - q_len_b + i.
+    Returns [T, q_heads, D] in query.dtype; rows past cu_seqlens_q[-1] are zeros.
+    """
+    del max_query_len
+    out = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
+    cu = cu_seqlens_q.tolist()
+    lens = context_lens.tolist()
+    for b, ctx in enumerate(lens):
+        q0, q1 = cu[b], cu[b + 1]
+        q_len = q1 - q0
+        if q_len <= 0:
+            continue
+        if ctx < q_len:
+            raise ValueError(f"request {b}: context {ctx} shorter than its {q_len} query tokens")
+        k = gather_kv(k_cache, block_tables[b], ctx)
+        v = gather_kv(v_cache, block_tables[b], ctx)
+        pos = torch.arange(ctx - q_len, ctx, device=query.device)
+        out[q0:q1] = _attend(query[q0:q1], k, v, pos, scale)
+    return out.to(query.dtype)
+
+
+def store_kv_reference(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """New (k_cache, v_cache) with key[t]/value[t] written at slot_mapping[t]; slot -1 is skipped.
+
+    key, value: [T, kv_heads, D]; caches: [num_blocks, block_size, kv_heads, D]; slot_mapping: [T].
+    """
+    block_size = k_cache.shape[1]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    blocks, offs = slots // block_size, slots % block_size
+    k_new, v_new = k_cache.clone(), v_cache.clone()
+    k_new[blocks, offs] = key[keep].to(k_cache.dtype)
+    v_new[blocks, offs] = value[keep].to(v_cache.dtype)
+    return k_new, v_new
+
+
+def copy_blocks_reference(pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+    """New pool with pool[dst[i]] = pool[src[i]] (every layer, K and V), read before any write.
+
+    pool: [num_blocks, num_layers, 2, block_size, kv_heads, D]; src, dst: [N].
+    """
+    out = pool.clone()
+    out[dst.long()] = pool[src.long()]
+    return out

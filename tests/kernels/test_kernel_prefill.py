@@ -1,0 +1,132 @@
+"""paged_prefill (varlen, cached context, mixed decode rows) against the fp32 reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_cases import TOL, PagedCase, fp32_caches, make_case, randn, rel_err
+
+from kernels import paged_prefill
+from kernels.reference import paged_prefill_reference
+
+F16, BF16 = torch.float16, torch.bfloat16
+
+
+def check_prefill(
+    case: PagedCase, q_heads: int, q_lens: list[int], pad_rows: int = 3, seed: int = 1
+) -> None:
+    """Kernel vs fp32 reference over the valid rows; NaN in unowned slots and in padding query
+    rows past cu_seqlens_q[-1] must not change the valid rows (bitwise)."""
+    device, dtype = case.pool.device, case.pool.dtype
+    head_dim = case.pool.shape[5]
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    total = int(cu[-1])
+    q = randn((total + pad_rows, q_heads, head_dim), dtype, device, seed)
+    q[total:] = float("nan")
+    cu = cu.to(device)
+    scale = head_dim**-0.5
+    args = (case.block_tables, cu, case.context_lens, scale)
+    out = paged_prefill(q, case.k_cache, case.v_cache, *args)
+    k32, v32 = fp32_caches(case)
+    ref = paged_prefill_reference(q.float(), k32, v32, *args)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert not out[:total].isnan().any(), "NaN leaked into a valid row"
+    err = rel_err(out[:total], ref[:total])
+    assert err < TOL[dtype], f"rel err {err:.2e} (q_lens={q_lens})"
+    clean = case.repoison(0.0)
+    q2 = q.clone()
+    q2[total:] = 0.0
+    out2 = paged_prefill(q2, clean.k_cache, clean.v_cache, *args, max_query_len=max(q_lens))
+    assert torch.equal(out[:total], out2[:total]), "result depends on memory it does not own"
+
+
+# ---------------------------------------------------------------- CPU (TRITON_INTERPRET=1)
+
+CPU_SHAPES = [  # (q_heads, kv_heads, head_dim, block_size, dtype)
+    (4, 2, 64, 16, F16),
+    (5, 1, 80, 8, BF16),
+    (2, 2, 96, 32, F16),
+]
+
+
+@pytest.mark.parametrize(("q_heads", "kv_heads", "head_dim", "block_size", "dtype"), CPU_SHAPES)
+def test_prefill_small_mixed(
+    device: torch.device,
+    q_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+) -> None:
+    # (q_len, context): decode row, fresh prompt, chunk over a cached prefix, tiny prompt, and a
+    # chunk whose first position is 62 (the unmasked/masked key-loop boundary is off by one)
+    reqs = [(1, 40), (33, 33), (29, 90), (1, 1), (3, 65)]
+    case = make_case([c for _, c in reqs], kv_heads, head_dim, block_size, dtype, device)
+    check_prefill(case, q_heads, [q for q, _ in reqs])
+
+
+def test_prefill_single_long_chunk(device: torch.device) -> None:
+    case = make_case([150], 1, 64, 16, BF16, device)
+    check_prefill(case, 4, [140])
+
+
+def test_prefill_rejects_bad_inputs(device: torch.device) -> None:
+    case = make_case([5], 2, 64, 16, F16, device)
+    q = randn((5, 4, 64), F16, device, 0)
+    cu = torch.tensor([0, 5], dtype=torch.int32, device=device)
+    with pytest.raises(AssertionError):
+        paged_prefill(
+            q, case.k_cache, case.v_cache, case.block_tables, cu.long(), case.context_lens, 1.0
+        )
+    with pytest.raises(AssertionError):
+        paged_prefill(
+            q[:, :, :32], case.k_cache, case.v_cache, case.block_tables, cu, case.context_lens, 1.0
+        )
+
+
+# ---------------------------------------------------------------- GPU grid
+
+HEAD_DIMS = [64, 80, 96, 128, 256]
+HEADS = [(32, 32), (32, 8), (8, 2), (5, 1)]
+MIXED = [(1, 1328), (5, 18), (129, 463), (1, 1), (17, 17), (300, 2011), (64, 16384), (1, 1025)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize(("q_heads", "kv_heads"), HEADS)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_prefill_grid(
+    cuda: torch.device, head_dim: int, q_heads: int, kv_heads: int, block_size: int
+) -> None:
+    dtype = BF16 if (head_dim + q_heads + block_size) % 2 == 0 else F16
+    case = make_case(
+        [c for _, c in MIXED], kv_heads, head_dim, block_size, dtype, cuda, seed=head_dim + 1
+    )
+    check_prefill(case, q_heads, [q for q, _ in MIXED])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [F16, BF16])
+def test_prefill_long_prompts(cuda: torch.device, dtype: torch.dtype) -> None:
+    """Whole prompts (no cache) and chunks over long prefixes, 32/8 heads, d 128."""
+    reqs = [(2048, 2048), (1000, 3048), (2011, 2011), (1, 4000)]
+    case = make_case([c for _, c in reqs], 8, 128, 16, dtype, cuda)
+    check_prefill(case, 32, [q for q, _ in reqs])
+
+
+@pytest.mark.gpu
+def test_prefill_pool_32768_blocks(cuda: torch.device) -> None:
+    reqs = [(1, 1328), (5, 18), (129, 463)]
+    case = make_case(
+        [c for _, c in reqs],
+        8,
+        128,
+        16,
+        F16,
+        cuda,
+        num_blocks=32768,
+        num_layers=4,
+        high_blocks=True,
+    )
+    assert case.block_tables.max().item() * case.k_cache.stride(0) > 2**31
+    check_prefill(case, 32, [q for q, _ in reqs])
