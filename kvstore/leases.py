@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
 class Worker:
+    """A registered compute worker (its prefill profile lives in the manager's cost-model input)."""
+
     worker_id: str
     registered_at: float
     last_seen: float
-    prefill_profile: list[tuple[int, float]] = field(default_factory=list)
-    info: dict[str, str] = field(default_factory=dict)
+    device: str = ""
+    pid: int = 0
 
 
 class Leases:

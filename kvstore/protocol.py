@@ -253,6 +253,8 @@ class Calibration(_Item):
 
 class WorkerRow(_Item):
     worker_id: str
+    device: str
+    pid: int
     idle_s: float
     requests: int
     prefill_profile: list[tuple[int, float]]

@@ -75,15 +75,7 @@ class KVService:
         return p.Error("bad_message", f"unhandled message {type(body).__name__}")
 
     def register(self, body: p.Register, now: float) -> p.Registered:
-        self.leases.register(
-            Worker(
-                body.worker_id,
-                now,
-                now,
-                list(body.prefill_profile),
-                {"device": body.device, "pid": str(body.pid)},
-            )
-        )
+        self.leases.register(Worker(body.worker_id, now, now, body.device, body.pid))
         if body.prefill_profile:
             self.manager.prefill_profiles[body.worker_id] = list(body.prefill_profile)
         log.info(

@@ -46,7 +46,12 @@ def build_stats(service: KVService, top: int, now: float) -> p.Stats:
         ],
         workers=[
             p.WorkerRow(
-                w.worker_id, now - w.last_seen, per_worker.get(w.worker_id, 0), w.prefill_profile
+                w.worker_id,
+                w.device,
+                w.pid,
+                now - w.last_seen,
+                per_worker.get(w.worker_id, 0),
+                m.prefill_profiles.get(w.worker_id, []),
             )
             for w in service.leases.workers.values()
         ],

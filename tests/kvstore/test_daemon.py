@@ -169,6 +169,9 @@ def test_stats_and_cache_reset(client: KVClient) -> None:
     assert stats.top_prefixes[0].tokens == 48 and stats.top_prefixes[0].hits == 1
     assert stats.calibration is not None and stats.calibration.samples
     assert {r.req_id for r in stats.requests} >= {"s1", "s2"}
+    [row] = [w for w in stats.workers if w.worker_id == "w-stats"]
+    assert (row.device, row.pid, row.requests) == ("cpu", 1, 2)
+    assert row.prefill_profile == [(16, 0.001), (256, 0.01)]
     with pytest.raises(KVStoreError, match="unknown_worker"):
         client.call(p.Heartbeat("nobody"))
     client.call(p.Step("w-stats", frees=["s1", "s2"]))

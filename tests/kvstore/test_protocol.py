@@ -57,7 +57,7 @@ SAMPLES: list[msgspec.Struct] = [
     p.RequestRow("r1", "w1", "running", 40, 40, 3, 0, 16, 1, False),
     p.DecisionRow(0, "r1", 1.0, "swap", "swap is cheaper", 3, 40, 0.001, 0.01, None),
     p.Calibration(1024, 1e-5, 1e-6, 1e-5, 1e-6, [(1, 1e-5, 2e-5)]),
-    p.WorkerRow("w1", 0.5, 3, [(16, 0.001)]),
+    p.WorkerRow("w1", "cuda:0", 42, 0.5, 3, [(16, 0.001)]),
     p.Stats(
         16,
         1024,
