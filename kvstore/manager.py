@@ -291,6 +291,19 @@ class KVCacheManager:
         )
         return placement, plan
 
+    def record_transfer(self, plan: TransferPlan, seconds: float) -> None:
+        """The measured time of an executed plan, shared among its decisions by blocks moved."""
+        moved = sum(plan.decisions.values())
+        for decision_id, blocks in plan.decisions.items():
+            self.decisions.add_actual(decision_id, seconds * blocks / moved if moved else 0.0)
+
+    def record_recompute(self, req_id: str, seconds: float) -> None:
+        """A worker's measured time to recompute a request preempted for recompute."""
+        request = self.requests.get(req_id)
+        if request is None or request.decision_id is None:
+            raise KVError("unknown_request", f"no preemption decision for {req_id!r}")
+        self.decisions.add_actual(request.decision_id, seconds)
+
     # ------------------------------------------------------------------ leases and admin
     def orphan_worker(self, worker: str, now: float) -> list[str]:
         """Marks a dead worker's requests orphaned; they keep their blocks until reclaimed."""

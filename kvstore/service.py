@@ -111,7 +111,7 @@ class KVService:
     def step(self, body: p.Step, now: float) -> p.StepReply:
         m, worker, reply = self.manager, body.worker_id, p.StepReply()
         for cost in body.costs:
-            self._each(reply, "cost", cost.req_id, self._report_cost, cost)
+            self._each(reply, "cost", cost.req_id, m.record_recompute, cost.req_id, cost.seconds)
         for req_id in body.frees:
             self._each(reply, "free", req_id, m.free, req_id, worker)
         for req_id in body.preempts:
@@ -189,10 +189,7 @@ class KVService:
             seconds += self.mover.swap_out(plan.swap_out)
         if plan.swap_in:
             seconds += self.mover.swap_in(plan.swap_in)
-        moved = sum(plan.decisions.values())
-        for decision_id, blocks in plan.decisions.items():
-            share = seconds * blocks / moved if moved else 0.0
-            self.manager.decisions.add_actual(decision_id, share)
+        self.manager.record_transfer(plan, seconds)
         if plan.swap_out or plan.swap_in:
             log.info(
                 "swap: %d blocks out, %d in, %.2f ms",
@@ -200,9 +197,3 @@ class KVService:
                 len(plan.swap_in),
                 seconds * 1e3,
             )
-
-    def _report_cost(self, cost: p.CostReport) -> None:
-        request = self.manager.requests.get(cost.req_id)
-        if request is None or request.decision_id is None:
-            raise KVError("unknown_request", f"no preemption decision for {cost.req_id!r}")
-        self.manager.decisions.add_actual(request.decision_id, cost.seconds)

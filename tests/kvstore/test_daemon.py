@@ -221,3 +221,24 @@ def test_token_batch_takes_the_fast_path_and_falls_back_per_item(client: KVClien
     bad = client.call(p.Step("w-tok", tokens=p.TokenBatch(["t1"], [1, 2], [22])))
     assert bad.errors[0].code == "bad_argument" and "differ in length" in bad.errors[0].message
     client.call(p.Step("w-tok", frees=["t1", "t2"]))
+
+
+def test_recompute_decision_gets_the_cost_the_worker_reports(client: KVClient) -> None:
+    # A worker whose prefill is nearly free: the cost model picks recompute over swap.
+    client.call(p.Register("w-cost", [(16, 1e-9), (256, 1e-8)], "cpu", 2))
+    client.call(p.Step("w-cost", admits=[p.AdmitItem("k1", list(range(9000, 9040)))]))
+    client.call(p.Step("w-cost", appends=[p.AppendItem("k1", [1], 40)]))
+    reply = client.call(p.Step("w-cost", preempts=["k1"]))
+    assert reply.preempted == [("k1", "recompute")]
+    reply = client.call(p.Step("w-cost", resumes=["k1"]))
+    assert reply.resumed[0].num_computed == 32  # two full blocks come back as prefix hits
+    reply = client.call(
+        p.Step("w-cost", costs=[p.CostReport("k1", 0.125), p.CostReport("nobody", 1.0)])
+    )
+    assert [(e.req_id, e.op, e.code) for e in reply.errors] == [
+        ("nobody", "cost", "unknown_request")
+    ]
+    [decision] = [d for d in client.call(p.GetStats()).decisions if d.req_id == "k1"]
+    assert (decision.mode, decision.reason) == ("recompute", "recompute is cheaper")
+    assert decision.actual_s == 0.125 and decision.predicted_recompute_s < decision.predicted_swap_s
+    client.call(p.Step("w-cost", frees=["k1"]))
