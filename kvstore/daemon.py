@@ -12,6 +12,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
@@ -19,6 +20,9 @@ import zmq
 from kvstore import protocol as p
 from kvstore.manager import KVCacheManager
 from kvstore.service import KVService
+
+if TYPE_CHECKING:
+    from kvstore.device import DevicePools
 
 log = logging.getLogger("pagedserve.kvstore")
 DEFAULT_ENDPOINT = "ipc:///tmp/pagedserve-kvstore.sock"
@@ -105,25 +109,21 @@ def disable_expandable_segments() -> None:
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join([*parts, "expandable_segments:False"])
 
 
-def build_service(config: KVStoreConfig) -> tuple[KVService, object]:
-    """Allocates the pools (the slow part: progress is logged) and wires the service."""
+def build_service(config: KVStoreConfig) -> tuple[KVService, DevicePools]:
+    """Allocates the pools (the slow part: progress is logged) and wires the service. Raises
+    ValueError on a flag that makes no sense (memory sizes, dtype)."""
     disable_expandable_segments()
-    from kvstore.device import DevicePools, blocks_for_memory
+    from kvstore.device import DevicePools, blocks_for_memory, blocks_in_gib
     from pagedserve.model_config import kv_geometry, load_config
 
     device = resolve_device(config.device)
     geometry = kv_geometry(load_config(config.model), config.dtype)
     block_bytes = geometry.block_bytes(config.block_size)
-    kv_memory = (
-        config.kv_memory
-        if config.kv_memory != "auto"
-        else ("0.5" if device.startswith("cuda") else "1GiB")
-    )
+    kv_memory = config.kv_memory
+    if kv_memory == "auto":
+        kv_memory = "0.5" if device.startswith("cuda") else "1GiB"
     num_blocks = blocks_for_memory(kv_memory, block_bytes, device)
-    swap_spec = config.swap_memory.strip().lower().removesuffix("gib").removesuffix("gb")
-    num_cpu_blocks = int(float(swap_spec) * (1 << 30)) // block_bytes
-    if num_blocks < 1:
-        raise SystemExit(f"--kv-memory {config.kv_memory} holds no block of {block_bytes} bytes")
+    num_cpu_blocks = blocks_in_gib(config.swap_memory, block_bytes)
     log.info(
         "model %s: %s, block %d tokens = %d bytes",
         config.model,
@@ -213,7 +213,10 @@ def run(config: KVStoreConfig) -> None:
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    service, pools = build_service(config)
+    try:
+        service, pools = build_service(config)
+    except ValueError as err:
+        raise SystemExit(f"pagedserve kvstore: {err}") from None
     daemon = Daemon(service, config.endpoint, config.busy_poll)
 
     def stop(signum: int, _frame: object) -> None:
@@ -226,5 +229,5 @@ def run(config: KVStoreConfig) -> None:
         daemon.serve_forever()
     finally:
         daemon.close()
-        pools.close()  # type: ignore[attr-defined]
+        pools.close()
         log.info("kvstore stopped")

@@ -40,21 +40,36 @@ def pool_shape(geometry: KVGeometry, block_size: int, num_blocks: int) -> list[i
     return [num_blocks, g.num_layers, 2, block_size, g.num_kv_heads, g.head_dim]
 
 
-def blocks_for_memory(spec: str, block_bytes: int, device: str) -> int:
-    """Blocks that fit ``spec``: ``"8"`` / ``"8GiB"`` = GiB; ``"0.9"`` (a bare number < 1) = that
-    fraction of the free memory of ``device`` (GPU: ``cudaMemGetInfo``; CPU: MemAvailable)."""
+def parse_memory(spec: str) -> tuple[float, bool]:
+    """``(value, is_fraction)``: ``"8"`` and ``"8GiB"`` are 8 GiB; a bare number below 1 is a
+    fraction of free memory. Raises ValueError on anything else or a negative value."""
     raw = spec.strip().lower()
     text = raw.removesuffix("gib").removesuffix("gb")
     try:
         value = float(text)
     except ValueError:
         raise ValueError(
-            f"memory spec {spec!r}: expected GiB (e.g. 8) or a fraction (e.g. 0.9)"
+            f"memory {spec!r}: expected GiB (e.g. 8) or a fraction (e.g. 0.9)"
         ) from None
-    if value <= 0:
-        raise ValueError(f"memory spec {spec!r} must be positive")
-    if value < 1.0 and text == raw:  # a bare number under 1 is a fraction
-        value = value * free_memory_bytes(device) / GiB
+    if value < 0:
+        raise ValueError(f"memory {spec!r} must not be negative")
+    return value, value < 1.0 and text == raw
+
+
+def blocks_for_memory(spec: str, block_bytes: int, device: str) -> int:
+    """Blocks that fit ``spec`` (see ``parse_memory``; a fraction is of the free memory of
+    ``device``: ``cudaMemGetInfo`` on a GPU, MemAvailable on CPU). At least one block."""
+    value, is_fraction = parse_memory(spec)
+    gib = value * free_memory_bytes(device) / GiB if is_fraction else value
+    blocks = int(gib * GiB) // block_bytes
+    if blocks < 1:
+        raise ValueError(f"memory {spec!r} holds no block of {block_bytes} bytes")
+    return blocks
+
+
+def blocks_in_gib(spec: str, block_bytes: int) -> int:
+    """Blocks in ``spec`` GiB (no fraction; ``"0"`` is zero blocks)."""
+    value, _ = parse_memory(spec)
     return int(value * GiB) // block_bytes
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
@@ -11,7 +13,7 @@ import zmq
 
 from kvstore import protocol as p
 from kvstore.client import KVClient, KVStoreError
-from tests.conftest import start_kvstore, stop_process
+from tests.conftest import ROOT, start_kvstore, stop_process
 
 
 @pytest.fixture(scope="module")
@@ -242,3 +244,17 @@ def test_recompute_decision_gets_the_cost_the_worker_reports(client: KVClient) -
     assert (decision.mode, decision.reason) == ("recompute", "recompute is cheaper")
     assert decision.actual_s == 0.125 and decision.predicted_recompute_s < decision.predicted_swap_s
     client.call(p.Step("w-cost", frees=["k1"]))
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--kv-memory", "lots"], "expected GiB"),
+        (["--swap-memory", "-2"], "must not be negative"),
+        (["--kv-memory", "0.0000001GiB"], "holds no block"),
+    ],
+)
+def test_bad_flags_exit_with_a_clear_message(flags: list[str], message: str) -> None:
+    cmd = [sys.executable, "-m", "pagedserve.cli", "kvstore", "--device", "cpu", *flags]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert done.returncode != 0 and message in done.stderr and "Traceback" not in done.stderr

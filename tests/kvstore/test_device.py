@@ -12,7 +12,13 @@ import pytest
 import torch
 
 from kvstore import protocol as p
-from kvstore.device import DevicePools, blocks_for_memory, contiguous_runs, map_pool
+from kvstore.device import (
+    DevicePools,
+    blocks_for_memory,
+    blocks_in_gib,
+    contiguous_runs,
+    map_pool,
+)
 from kvstore.manager import KVCacheManager
 from kvstore.service import KVService
 from pagedserve.model_config import KVGeometry, kv_geometry, tiny_config
@@ -43,9 +49,10 @@ def test_memory_specs() -> None:
     assert blocks_for_memory("1GiB", 1 << 20, "cpu") == 1024
     assert blocks_for_memory("2", 1 << 20, "cpu") == 2048
     assert 0 < blocks_for_memory("0.01", 1 << 20, "cpu") < blocks_for_memory("0.02", 1 << 20, "cpu")
-    for bad in ("lots", "-1", "0"):
+    for bad in ("lots", "-1", "0", "0.0000001GiB"):
         with pytest.raises(ValueError):
             blocks_for_memory(bad, 1 << 20, "cpu")
+    assert blocks_in_gib("0", 1 << 20) == 0 and blocks_in_gib("0.5", 1 << 20) == 512
     assert list(contiguous_runs([4, 5, 6, 9, 1, 2])) == [(0, 4, 3), (3, 9, 1), (4, 1, 2)]
 
 
