@@ -19,6 +19,7 @@ import os
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import nullcontext
 
 import torch
 
@@ -176,7 +177,7 @@ class DevicePools:
             return 0.0
         pairs = sorted(pairs, key=lambda pair: pair[1])  # CPU ids in order: longest runs
         chunk = self.staging.shape[0]
-        with torch.cuda.stream(self.stream) if self.device.type == "cuda" else _nullcontext():
+        with torch.cuda.stream(self.stream) if self.device.type == "cuda" else nullcontext():
             for lo in range(0, len(pairs), chunk):
                 part = pairs[lo : lo + chunk]
                 gpu_ids = torch.tensor([g for g, _ in part], device=self.device)
@@ -226,14 +227,6 @@ class DevicePools:
             fit_linear([(n, inn) for n, _, inn in samples]),
             samples,
         )
-
-
-class _nullcontext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def map_shm(path: str, shape: list[int], dtype: torch.dtype, create: bool = False) -> torch.Tensor:
