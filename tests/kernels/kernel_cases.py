@@ -10,6 +10,15 @@ import torch
 # ‖out − ref‖/‖ref‖ bounds against an fp32 reference: output rounding plus P cast to 16 bits
 TOL = {torch.float16: 3e-3, torch.bfloat16: 1.5e-2}
 
+# The H200 grid of issue 3, shared by the decode and prefill GPU tests.
+GRID_HEAD_DIMS = [64, 80, 96, 128, 256]
+GRID_HEADS = [(32, 32), (32, 8), (8, 2), (5, 1)]  # (query heads, kv heads)
+
+
+def grid_dtype(head_dim: int, q_heads: int, block_size: int) -> torch.dtype:
+    """Alternates bf16 and fp16 across the grid so both dtypes meet every axis."""
+    return torch.bfloat16 if (head_dim + q_heads + block_size) % 2 == 0 else torch.float16
+
 
 @dataclass
 class PagedCase:

@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import TOL, PagedCase, fp32_caches, make_case, randn, rel_err
+from kernel_cases import (
+    GRID_HEAD_DIMS,
+    GRID_HEADS,
+    TOL,
+    PagedCase,
+    fp32_caches,
+    grid_dtype,
+    make_case,
+    randn,
+    rel_err,
+)
 
 from kernels import paged_decode
 from kernels.decode import choose_num_splits, split_plan
@@ -106,19 +116,17 @@ def test_decode_rejects_bad_inputs(device: torch.device) -> None:
 
 # ---------------------------------------------------------------- GPU grid
 
-HEAD_DIMS = [64, 80, 96, 128, 256]
-HEADS = [(32, 32), (32, 8), (8, 2), (5, 1)]
 CONTEXTS = [1, 17, 463, 1025, 2011, 16384]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("block_size", [16, 32])
-@pytest.mark.parametrize(("q_heads", "kv_heads"), HEADS)
-@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize(("q_heads", "kv_heads"), GRID_HEADS)
+@pytest.mark.parametrize("head_dim", GRID_HEAD_DIMS)
 def test_decode_grid(
     cuda: torch.device, head_dim: int, q_heads: int, kv_heads: int, block_size: int
 ) -> None:
-    dtype = BF16 if (head_dim + q_heads + block_size) % 2 == 0 else F16
+    dtype = grid_dtype(head_dim, q_heads, block_size)
     case = make_case(CONTEXTS, kv_heads, head_dim, block_size, dtype, cuda, seed=head_dim)
     for splits in (1, 7, None):
         check_decode(case, q_heads, splits, seed=splits or 0)
