@@ -220,7 +220,8 @@ def run(config: KVStoreConfig) -> None:
     daemon = Daemon(service, config.endpoint, config.busy_poll)
 
     def stop(signum: int, _frame: object) -> None:
-        log.info("signal %d: shutting down", signum)
+        if not daemon.stopping:  # Ctrl-C reaches us from the terminal and from `pagedserve up`
+            log.info("signal %d: shutting down", signum)
         daemon.stopping = True
 
     signal.signal(signal.SIGINT, stop)
