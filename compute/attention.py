@@ -1,0 +1,153 @@
+"""The paged attention function that transformers models call in place of SDPA/eager.
+
+``import compute.attention`` registers it as ``attn_implementation="paged"`` (``ATTN_NAME``) in
+transformers' global ``AttentionInterface``. Each decoder layer then calls
+``paged_attention_forward(module, query, key, value, attention_mask, scaling=..., **kwargs)``,
+where ``kwargs`` are the extra keyword arguments of ``model(...)`` (DESIGN.md §8). The runner
+passes one of them, ``paged=PagedBatch(...)``, with everything the forward needs.
+
+Inputs are packed: ``input_ids [1, T]`` holds every scheduled token of every request (prefill
+chunks and decodes alike), request ``b`` owning rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]``;
+``position_ids [1, T]`` are per-request positions, so rotary is right without any mask.
+
+The function writes the layer's new K/V into the paged pool (``slot_mapping``) and then attends
+through the block tables with ``paged_prefill``, which handles q_len 1 decode rows too. On CUDA it
+runs the Triton kernels of ``kernels``; on CPU the pure-torch references of ``kernels.reference``
+(with an in-place store, since the reference store returns new tensors).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import AttentionInterface
+
+from kernels.reference import paged_prefill_reference
+
+__all__ = [
+    "ATTN_NAME",
+    "PagedBatch",
+    "copy_blocks_inplace",
+    "paged_attention_forward",
+    "store_kv_inplace",
+]
+
+ATTN_NAME = "paged"
+
+
+@dataclass(frozen=True)
+class PagedBatch:
+    """Per-forward metadata shared by every layer (built once per step by ``ModelRunner``).
+
+    T = packed tokens of the step, B = requests in it.
+    """
+
+    slot_mapping: torch.Tensor  # [T] int64: pool slot (block * block_size + offset) of each token
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0 past each request's blocks
+    cu_seqlens_q: torch.Tensor  # [B + 1] int32: row offsets of each request in the packed batch
+    context_lens: torch.Tensor  # [B] int32: tokens of context after this step (chunk included)
+    max_query_len: int  # largest chunk in the batch (host int: no device sync in the kernel)
+    max_context_len: int  # largest context_lens entry (host int)
+    pool: torch.Tensor  # [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]
+
+
+def store_kv_inplace(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """CPU ``store_kv``: key[t]/value[t] into slot slot_mapping[t] of the cache views, in place.
+
+    Same contract as ``kernels.reference.store_kv_reference`` (slot -1 skipped) but writes through
+    the views into the pool instead of cloning the whole cache of a layer on every call.
+    key, value: [T, kv_heads, D]; k_cache, v_cache: [num_blocks, block_size, kv_heads, D].
+    """
+    block_size = k_cache.shape[1]
+    keep = slot_mapping >= 0  # [T]
+    slots = slot_mapping[keep].long()  # [T']
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache[blocks, offsets] = key[keep].to(k_cache.dtype)
+    v_cache[blocks, offsets] = value[keep].to(v_cache.dtype)
+
+
+def copy_blocks_inplace(pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copy-on-write: pool[dst[i]] = pool[src[i]] (every layer, K and V), in place.
+
+    Triton ``copy_blocks`` on CUDA; on CPU the same semantics as ``copy_blocks_reference``
+    (sources read before any write). pool: [num_blocks, ...]; src, dst: [N] int64.
+    """
+    if src.numel() == 0:
+        return
+    if pool.is_cuda:
+        from kernels import copy_blocks
+
+        copy_blocks(pool, src, dst)
+    else:
+        pool[dst] = pool[src]  # advanced indexing gathers a copy of the sources first
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    paged: PagedBatch | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Stores this layer's K/V in the pool, then attends through the block tables.
+
+    query: [1, Hq, T, D]; key, value: [1, Hkv, T, D] (rotary applied); ``module.layer_idx`` picks
+    the layer's pool views. Returns ([1, T, Hq, D], None). ``attention_mask`` must be None: the
+    causal structure comes from ``paged`` (positions and context lengths), not from a mask.
+    """
+    del dropout, kwargs  # inference only; other model kwargs (position_ids, ...) are not needed
+    if paged is None:
+        raise ValueError(
+            f"attn_implementation={ATTN_NAME!r} needs model(..., paged=PagedBatch(...))"
+        )
+    if attention_mask is not None:
+        raise ValueError("paged attention takes no attention_mask (packed batch, causal by rows)")
+    if softcap is not None:
+        raise NotImplementedError("paged attention does not support logit softcapping")
+    if sliding_window is not None and paged.max_context_len > sliding_window:
+        raise NotImplementedError(
+            f"sliding window {sliding_window} < context {paged.max_context_len} is not supported"
+        )
+    assert query.shape[0] == 1, f"packed batch expected, got query {tuple(query.shape)}"
+    layer = module.layer_idx
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    q = query[0].transpose(0, 1)  # [T, Hq, D]
+    k = key[0].transpose(0, 1)  # [T, Hkv, D]
+    v = value[0].transpose(0, 1)  # [T, Hkv, D]
+    k_cache = paged.pool[:, layer, 0]  # [num_blocks, block_size, Hkv, D]
+    v_cache = paged.pool[:, layer, 1]
+    if q.is_cuda:
+        from kernels import paged_prefill as attend
+        from kernels import store_kv as store
+    else:  # the pure-torch reference, with an in-place store
+        attend, store = paged_prefill_reference, store_kv_inplace
+    store(k, v, k_cache, v_cache, paged.slot_mapping)
+    out = attend(
+        q,
+        k_cache,
+        v_cache,
+        paged.block_tables,
+        paged.cu_seqlens_q,
+        paged.context_lens,
+        scaling,
+        paged.max_query_len,
+    )
+    return out.unsqueeze(0), None  # [1, T, Hq, D]
+
+
+AttentionInterface.register(ATTN_NAME, paged_attention_forward)

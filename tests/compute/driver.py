@@ -1,0 +1,157 @@
+"""A minimal greedy engine loop for tests: the real ``KVCacheManager`` (in process) allocates
+blocks, a CPU pool tensor holds the KV, ``ModelRunner`` runs one packed batch per step.
+
+Not the compute worker's engine (no Redis, no RPC, no preemption): just enough scheduling to
+drive prefill chunks and decodes through the model path the way the worker will.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from compute.attention import ATTN_NAME
+from compute.runner import ModelRunner, ScheduledChunk
+from kvstore.manager import KVCacheManager
+from pagedserve.model_config import kv_geometry
+
+WORKER = "w0"
+EOS = 257
+
+
+@dataclass
+class Seq:
+    req_id: str
+    tokens: list[int]  # prompt, then generated tokens
+    prompt_len: int
+    max_new: int
+    block_ids: list[int]  # the worker's copy of its block table (Placement, then Growth)
+    num_computed: int  # tokens whose KV is in the pool
+    num_cached_tokens: int  # prefix-cache hit reported at admission
+    done: bool = False
+    sampled_logits: list[torch.Tensor] = field(default_factory=list)  # [vocab] per output token
+
+    @property
+    def output(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+
+@dataclass
+class GreedyDriver:
+    model: PreTrainedModel
+    num_blocks: int = 64
+    block_size: int = 16
+    token_budget: int | None = None  # max tokens per step; None packs everything pending
+    seqs: dict[str, Seq] = field(default_factory=dict)
+    steps: list[list[tuple[str, int, int]]] = field(default_factory=list)  # (req, start, n)
+
+    def __post_init__(self) -> None:
+        geo = kv_geometry(self.model.config, str(self.model.dtype).removeprefix("torch."))
+        shape = (
+            self.num_blocks,
+            geo.num_layers,
+            2,
+            self.block_size,
+            geo.num_kv_heads,
+            geo.head_dim,
+        )
+        # Garbage, not zeros: reading a slot that was never written changes the output.
+        gen = torch.Generator().manual_seed(1234)
+        pool = (torch.randn(shape, generator=gen) * 10).to(self.model.device, self.model.dtype)
+        self.manager = KVCacheManager(self.num_blocks, 0, self.block_size)
+        self.runner = ModelRunner(self.model, pool, self.block_size)
+        self.pending_copies: list[tuple[int, int]] = []
+
+    def admit(self, req_id: str, prompt: list[int], max_new: int) -> Seq:
+        placement = self.manager.admit(req_id, WORKER, prompt, None)
+        seq = Seq(
+            req_id,
+            list(prompt),
+            len(prompt),
+            max_new,
+            list(placement.block_ids),
+            placement.num_computed,
+            placement.num_cached_tokens,
+        )
+        self.seqs[req_id] = seq
+        return seq
+
+    def step(self) -> None:
+        """Schedules every running request's uncomputed tokens (in admission order, within the
+        token budget), runs one forward, samples greedily where a request's last token was
+        computed, and reports the step to the manager."""
+        budget = self.token_budget if self.token_budget is not None else 1 << 30
+        scheduled: list[tuple[Seq, int]] = []
+        for seq in self.seqs.values():
+            n = min(len(seq.tokens) - seq.num_computed, budget)
+            if seq.done or n <= 0:
+                continue
+            scheduled.append((seq, n))
+            budget -= n
+        assert scheduled, "nothing to run"
+        self.runner.copy_blocks(self.pending_copies)
+        self.pending_copies = []
+        batch = [
+            ScheduledChunk(
+                s.tokens[s.num_computed : s.num_computed + n], s.num_computed, s.block_ids
+            )
+            for s, n in scheduled
+        ]
+        self.steps.append([(s.req_id, s.num_computed, n) for s, n in scheduled])
+        logits = self.runner.forward(batch)  # [B, vocab]
+        for row, (seq, n) in enumerate(scheduled):
+            computed = seq.num_computed + n
+            new: list[int] = []
+            if computed == len(seq.tokens):  # the last known token ran: sample the next
+                token = int(logits[row].argmax())
+                seq.sampled_logits.append(logits[row].cpu())
+                seq.tokens.append(token)
+                new.append(token)
+                seq.done = token == EOS or len(seq.output) >= seq.max_new
+            seq.num_computed = computed
+            if seq.done:
+                self.manager.free(seq.req_id, WORKER)
+                continue
+            growth = self.manager.append(seq.req_id, WORKER, new, computed)
+            seq.block_ids.extend(growth.new_block_ids)
+            for position, src, dst in growth.copies:
+                seq.block_ids[position] = dst
+                self.pending_copies.append((src, dst))
+            assert seq.block_ids == self.manager.requests[seq.req_id].block_ids
+        self.manager.check_integrity()
+
+    def run(self) -> None:
+        while any(not s.done for s in self.seqs.values()):
+            self.step()
+
+
+def reference_model(model: PreTrainedModel) -> PreTrainedModel:
+    """The same weights with transformers' own attention (SDPA)."""
+    ref = copy.deepcopy(model)
+    ref.set_attn_implementation("sdpa")
+    assert model.config._attn_implementation == ATTN_NAME
+    return ref.eval()
+
+
+def paged_model(config: object, seed: int) -> PreTrainedModel:
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=ATTN_NAME).eval()
+
+
+@torch.inference_mode()
+def generate_greedy(ref: PreTrainedModel, prompt: list[int], max_new: int) -> list[int]:
+    """transformers' greedy ``generate`` for one prompt (no padding); stops at EOS like the
+    driver."""
+    ids = torch.tensor([prompt], device=ref.device)  # [1, L]
+    out = ref.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new,
+        do_sample=False,
+        eos_token_id=EOS,
+        pad_token_id=EOS,
+    )
+    return out[0, len(prompt) :].tolist()
