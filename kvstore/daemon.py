@@ -68,6 +68,13 @@ class KVStoreConfig:
         default=DEFAULT_ENDPOINT,
         metadata={"help": "ZeroMQ endpoint to bind: ipc:///path or tcp://host:port"},
     )
+    admission_watermark: float = field(
+        default=0.01,
+        metadata={
+            "help": "fraction of GPU blocks that admissions leave free for running requests "
+            "to grow into"
+        },
+    )
     lease_timeout_s: float = field(
         default=10.0,
         metadata={"help": "a worker silent this long is dead; its requests become orphans"},
@@ -132,7 +139,9 @@ def build_service(config: KVStoreConfig) -> tuple[KVService, DevicePools]:
         block_bytes,
     )
     pools = DevicePools(geometry, config.block_size, num_blocks, num_cpu_blocks, device)
-    manager = KVCacheManager(num_blocks, num_cpu_blocks, config.block_size)
+    manager = KVCacheManager(
+        num_blocks, num_cpu_blocks, config.block_size, config.admission_watermark
+    )
     if config.calibrate and num_cpu_blocks:
         manager.calibration = pools.calibrate()
         if manager.calibration is not None:

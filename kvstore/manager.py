@@ -31,8 +31,13 @@ from kvstore.requests import (
 
 
 class KVCacheManager:
-    def __init__(self, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int = 16) -> None:
+    def __init__(
+        self, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int = 16, watermark: float = 0.0
+    ) -> None:
+        """``watermark``: the fraction of GPU blocks that admission and resume leave free, so that
+        running requests can still grow (appends may use them)."""
         self.block_size = block_size
+        self.watermark_blocks = int(num_gpu_blocks * watermark)
         self.pool = BlockPool(num_gpu_blocks)
         self.swap = SwapSpace(num_cpu_blocks)
         self.index = PrefixIndex(block_size)
@@ -93,8 +98,13 @@ class KVCacheManager:
         hit = self.index.lookup(request.keys, request.contents, len(request.token_ids), record)
         needed = cdiv(len(request.token_ids), self.block_size) - len(hit.blocks)
         evictable_hits = sum(1 for b in hit.blocks if self.pool.ref_counts[b] == 0)
-        if needed > self.pool.num_available - evictable_hits:
-            raise KVError("no_space", f"need {needed} blocks, {self.pool.num_available} available")
+        available = self.pool.num_available - evictable_hits - self.watermark_blocks
+        if needed > available:
+            raise KVError(
+                "no_space",
+                f"need {needed} blocks, {available} available above the "
+                f"{self.watermark_blocks}-block watermark",
+            )
         for block in hit.blocks:
             self.pool.ref(block)
         request.block_ids = hit.blocks + self._allocate(needed)

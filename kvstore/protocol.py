@@ -110,8 +110,9 @@ class CostReport(_Item):
 
 
 class Step(_Msg):
-    """One engine step's KV work, applied in this order: costs, frees, preempts, resumes, forks,
-    admits, appends, tokens. Each item succeeds or fails alone (see ``StepReply.errors``)."""
+    """One engine step's KV work, applied in this order: costs, frees, preempts, forks, appends,
+    tokens, resumes, admits: running requests grow before preempted ones resume, and those come
+    back before new ones are admitted. Each item succeeds or fails alone (``StepReply.errors``)."""
 
     worker_id: str
     frees: list[str] = []

@@ -116,17 +116,17 @@ class KVService:
             self._each(reply, "free", req_id, m.free, req_id, worker)
         for req_id in body.preempts:
             self._each(reply, "preempt", req_id, self._preempt, req_id, worker, now, reply)
-        for req_id in body.resumes:
-            self._each(reply, "resume", req_id, self._resume, req_id, worker, reply)
         for fork in body.forks:
             for child in fork.child_ids:
                 self._each(reply, "fork", child, self._fork, fork.parent_id, child, worker, reply)
-        for item in body.admits:
-            self._each(reply, "admit", item.req_id, self._admit, item, worker, reply)
         for item in body.appends:
             self._append(reply, worker, item.req_id, item.token_ids, item.num_computed)
         if body.tokens is not None:
             self._append_tokens(reply, worker, body.tokens)
+        for req_id in body.resumes:
+            self._each(reply, "resume", req_id, self._resume, req_id, worker, reply)
+        for item in body.admits:
+            self._each(reply, "admit", item.req_id, self._admit, item, worker, reply)
         return reply
 
     def _append(

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from pagedserve.redis_server import EmbeddedRedis
+
+# Without CUDA, Triton kernels run in the interpreter. TRITON_INTERPRET must be set before any
+# @triton.jit function is defined, i.e. before any test module imports a kernel: here, first.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ROOT = Path(__file__).resolve().parent.parent
 

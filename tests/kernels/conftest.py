@@ -1,18 +1,10 @@
-"""Kernel tests: on a machine without CUDA, run Triton kernels in the interpreter.
-
-TRITON_INTERPRET must be set before any ``@triton.jit`` function is defined, i.e. before
-``kernels`` is imported, which is why it happens here at import time.
-"""
+"""Kernel test fixtures. (TRITON_INTERPRET=1 on machines without CUDA is set by the root
+``tests/conftest.py``, before any test module can import a Triton kernel.)"""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture

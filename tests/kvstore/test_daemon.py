@@ -90,19 +90,20 @@ def test_step_errors_are_per_item(client: KVClient) -> None:
             appends=[p.AppendItem("ghost", [1], 0)],
         )
     )
-    assert [(e.req_id, e.op, e.code) for e in reply.errors] == [
-        ("e1", "admit", "bad_argument"),
+    assert [(e.req_id, e.op, e.code) for e in reply.errors] == [  # appends run before admits
         ("ghost", "append", "unknown_request"),
+        ("e1", "admit", "bad_argument"),
     ]
     assert [a.req_id for a in reply.admitted] == ["e2"]
     huge = client.call(p.Step("w-err", admits=[p.AdmitItem("e3", [1] * 10_000_000)]))
     assert huge.errors[0].code == "bad_argument" and "more blocks than" in huge.errors[0].message
     big = client.call(
-        p.Step("w-err", admits=[p.AdmitItem("e4", [1] * 16 * (reg.num_gpu_blocks - 1))])
+        p.Step("w-err", admits=[p.AdmitItem("e4", [1] * 16 * (reg.num_gpu_blocks // 2))])
     )
     assert big.errors == [] and big.admitted[0].req_id == "e4"
-    full = client.call(p.Step("w-err", admits=[p.AdmitItem("e5", [2] * 48)]))
-    assert full.errors[0].code == "no_space"
+    too_big = [2] * 16 * (reg.num_gpu_blocks // 2 + 1)
+    full = client.call(p.Step("w-err", admits=[p.AdmitItem("e5", too_big)]))
+    assert full.errors[0].code == "no_space" and "watermark" in full.errors[0].message
     client.call(p.Step("w-err", frees=["e4"]))
     client.call(p.Step("w-err", frees=["e2"]))
 

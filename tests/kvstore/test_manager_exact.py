@@ -258,3 +258,41 @@ def test_reset_prefix_cache_frees_idle_cached_blocks() -> None:
     assert m.pool.num_cached_free == 0 and m.pool.num_free == 8 and len(m.index) == 0
     assert m.admit("c", "w", list(range(48)), None).num_cached_tokens == 0
     m.check_integrity()
+
+
+def test_admission_leaves_the_watermark_for_running_requests() -> None:
+    m = KVCacheManager(100, 0, 16, watermark=0.05)  # 5 blocks kept for growth
+    m.admit("a", "w", list(range(16 * 90)), None)  # 90 blocks: 10 left
+    with pytest.raises(KVError, match="watermark") as err:
+        m.admit("b", "w", list(range(5000, 5000 + 16 * 6)), None)  # 6 > 10 - 5
+    assert err.value.code == "no_space"
+    m.admit("c", "w", list(range(6000, 6000 + 16 * 5)), None)  # exactly up to the watermark
+    m.append("a", "w", list(range(16 * 5)), 16 * 90)  # a running request grows into it
+    assert m.pool.num_available == 0
+    m.check_integrity()
+
+
+def test_step_order_running_requests_grow_before_admissions() -> None:
+    """A step that appends and admits: the append gets the last block, the admission fails."""
+    from kvstore import protocol as p
+    from kvstore.service import KVService
+
+    class NoMoves:
+        block_bytes = 1
+
+        def swap_out(self, pairs: list[tuple[int, int]]) -> float:
+            raise AssertionError
+
+        swap_in = swap_out
+
+        def export(self) -> p.PoolInfo:
+            return p.PoolInfo("shm", [1], "float32", 16)
+
+    service = KVService(KVCacheManager(3, 0, 16), NoMoves(), 60, 60)
+    service.handle(p.Register("w"))
+    service.handle(p.Step("w", admits=[p.AdmitItem("a", list(range(32)))]))  # 2 blocks
+    reply = service.handle(
+        p.Step("w", admits=[p.AdmitItem("b", [1, 2])], appends=[p.AppendItem("a", [7], 32)])
+    )
+    assert [g.req_id for g in reply.appended] == ["a"]
+    assert [(e.req_id, e.code) for e in reply.errors] == [("b", "no_space")]
