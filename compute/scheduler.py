@@ -1,0 +1,185 @@
+"""Continuous batching policy of a compute worker: which sequences run in the next step and how
+many of their tokens (chunked prefill under a token budget), which get placed at the kvstore, and
+which one is preempted when the kvstore runs out of blocks.
+
+Pure Python, owned and called by the engine loop's single thread. Block tables only ever come
+from the kvstore's replies (``placed``/``grown``); the scheduler never invents a block id.
+
+Policy (as vLLM / SGLang with chunked prefill):
+- decodes first, every running sequence that has exactly one token to compute, oldest first;
+- then prefill chunks of running sequences, oldest first, as far as the token budget goes;
+- placement (admission or resume) oldest first, preempted sequences before new ones, while the
+  number of running sequences stays under ``max_num_seqs``;
+- the preemption victim is the running sequence that arrived last.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class SeqStatus(Enum):
+    WAITING = "waiting"  # never placed at the kvstore
+    RUNNING = "running"  # holds blocks
+    PREEMPTED = "preempted"  # gave its blocks back; the kvstore swapped or dropped them
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """One generated sequence, a kvstore request (``n > 1`` and beams are several)."""
+
+    seq_id: str
+    arrival: int  # lower runs first, is placed first, is preempted last
+    token_ids: list[int]  # prompt + generated
+    num_prompt: int
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed: int = 0  # tokens whose KV this worker has written
+    num_reported: int = 0  # tokens the kvstore knows (and has blocks for)
+    block_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens to compute now: only those the kvstore knows, so their blocks (and any
+        copy-on-write) exist; a sampled token is computed after an append reported it."""
+        return self.num_reported - self.num_computed
+
+    @property
+    def unreported(self) -> list[int]:
+        """Sampled tokens the kvstore has not accepted yet (the next append carries them)."""
+        return self.token_ids[self.num_reported :]
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Compute ``num_tokens`` tokens of ``seq`` from position ``start`` in the next forward."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the sequence's last token: its logits give the next token."""
+        return self.start + self.num_tokens == len(self.seq.token_ids)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = field(default=256, metadata={"help": "running sequences per step at most"})
+    max_num_batched_tokens: int = field(
+        default=2048, metadata={"help": "tokens per forward pass (decodes + prefill chunks)"}
+    )
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_size: int) -> None:
+        self.config = config
+        self.block_size = block_size
+        self.seqs: dict[str, Sequence] = {}
+        self._arrivals = 0
+
+    # ------------------------------------------------------------------ bookkeeping
+    def add(self, seq_id: str, prompt: list[int]) -> Sequence:
+        """A new sequence waits to be admitted."""
+        if seq_id in self.seqs:
+            raise ValueError(f"sequence {seq_id!r} already exists")
+        if not prompt:
+            raise ValueError("a sequence needs at least one prompt token")
+        seq = Sequence(seq_id, self._arrivals, list(prompt), len(prompt))
+        self._arrivals += 1
+        self.seqs[seq_id] = seq
+        return seq
+
+    def running(self) -> list[Sequence]:
+        return self._by_arrival(SeqStatus.RUNNING)
+
+    def _by_arrival(self, *statuses: SeqStatus) -> list[Sequence]:
+        return sorted((s for s in self.seqs.values() if s.status in statuses), key=_arrival)
+
+    # ------------------------------------------------------------------ decisions
+    def schedule(self) -> list[Chunk]:
+        """The next forward pass: decodes first, then prefill chunks, within the token budget."""
+        budget = self.config.max_num_batched_tokens
+        chunks: list[Chunk] = []
+        running = [s for s in self.running() if s.num_pending > 0]
+        for seq in [s for s in running if s.num_pending == 1] + [
+            s for s in running if s.num_pending > 1
+        ]:
+            if budget == 0:
+                break
+            n = min(seq.num_pending, budget)
+            end = seq.num_computed + n
+            assert -(-end // self.block_size) <= len(seq.block_ids), (
+                f"{seq.seq_id}: {len(seq.block_ids)} blocks cannot hold {end} tokens"
+            )
+            chunks.append(Chunk(seq, seq.num_computed, n))
+            budget -= n
+        return chunks
+
+    def to_place(self) -> list[Sequence]:
+        """Sequences to admit or resume at the kvstore now: preempted before new, oldest first,
+        while running sequences stay under ``max_num_seqs``."""
+        room = self.config.max_num_seqs - len(self.running())
+        preempted = self._by_arrival(SeqStatus.PREEMPTED)
+        waiting = self._by_arrival(SeqStatus.WAITING)
+        return (preempted + waiting)[: max(room, 0)]
+
+    def victim(self) -> Sequence | None:
+        """The running sequence to preempt when the kvstore has no block left: the latest."""
+        running = self.running()
+        return running[-1] if running else None
+
+    # ------------------------------------------------------------------ kvstore replies
+    def placed(self, seq_id: str, block_ids: list[int], num_computed: int, num_tokens: int) -> None:
+        """Admitted, resumed or adopted: the kvstore's table for its ``num_tokens`` tokens (the
+        prompt at admission; what it held at preemption on resume); compute from
+        ``num_computed``."""
+        seq = self.seqs[seq_id]
+        assert num_tokens <= len(seq.token_ids), f"{seq_id}: the kvstore knows more tokens"
+        seq.block_ids = list(block_ids)
+        seq.num_computed = num_computed
+        seq.num_reported = num_tokens
+        seq.status = SeqStatus.RUNNING
+
+    def grown(
+        self, seq_id: str, new_block_ids: list[int], copies: list[tuple[int, int, int]]
+    ) -> list[tuple[int, int]]:
+        """A successful append of ``unreported``: replaces copied blocks, appends new ones.
+        Returns the ``(src, dst)`` copies the worker must perform before its next forward."""
+        seq = self.seqs[seq_id]
+        seq.num_reported = len(seq.token_ids)
+        for position, src, dst in copies:
+            assert seq.block_ids[position] == src, f"{seq_id}: block {position} is not {src}"
+            seq.block_ids[position] = dst
+        seq.block_ids.extend(new_block_ids)
+        return [(src, dst) for _, src, dst in copies]
+
+    def computed(self, chunk: Chunk, new_token: int | None) -> None:
+        """After the forward: the chunk's KV is written; a sampled token joins the sequence."""
+        seq = chunk.seq
+        assert seq.num_computed == chunk.start, f"{seq.seq_id}: computed twice"
+        assert new_token is None or chunk.samples, f"{seq.seq_id}: sampled mid-prompt"
+        assert chunk.start + chunk.num_tokens <= seq.num_reported, (
+            f"{seq.seq_id}: computed tokens the kvstore does not know"
+        )
+        seq.num_computed = chunk.start + chunk.num_tokens
+        if new_token is not None:
+            seq.token_ids.append(new_token)
+
+    def preempted(self, seq_id: str) -> None:
+        """The kvstore took the blocks back (swap or recompute); the KV must be placed again.
+        Unreported tokens stay: after the resume, the next append reports them."""
+        seq = self.seqs[seq_id]
+        seq.status, seq.block_ids, seq.num_computed = SeqStatus.PREEMPTED, [], 0
+
+    def finish(self, seq_id: str) -> Sequence:
+        """Forgets the sequence (the caller frees it at the kvstore)."""
+        seq = self.seqs.pop(seq_id)
+        seq.status = SeqStatus.FINISHED
+        return seq
+
+
+def _arrival(seq: Sequence) -> int:
+    return seq.arrival

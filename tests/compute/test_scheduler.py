@@ -1,0 +1,137 @@
+"""The worker's batching policy, exactly, and against the real KVCacheManager under pressure."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from compute.scheduler import Scheduler, SchedulerConfig, SeqStatus
+from kvstore.manager import KVCacheManager, KVError
+
+BS = 4
+
+
+def scheduler(seqs: int = 8, tokens: int = 16) -> Scheduler:
+    return Scheduler(SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=tokens), BS)
+
+
+def test_decodes_first_then_prefill_chunks_within_the_budget() -> None:
+    s = scheduler(tokens=10)
+    a, b, c = (s.add(name, list(range(n))) for name, n in (("a", 12), ("b", 3), ("c", 9)))
+    for seq in (a, b, c):
+        blocks = -(-len(seq.token_ids) // BS)
+        s.placed(seq.seq_id, list(range(100, 100 + blocks)), 0, len(seq.token_ids))
+    s.placed("b", [7], 2, 3)  # b: 3 tokens, 2 computed -> a decode (one pending token)
+    chunks = s.schedule()
+    assert [(ch.seq.seq_id, ch.start, ch.num_tokens, ch.samples) for ch in chunks] == [
+        ("b", 2, 1, True),  # the decode goes first whatever its arrival
+        ("a", 0, 9, False),  # then the oldest prefill, cut by the budget
+    ]
+    s.computed(chunks[0], new_token=42)
+    s.computed(chunks[1], new_token=None)
+    assert b.token_ids == [0, 1, 2, 42] and (a.num_computed, b.num_computed) == (9, 3)
+    assert b.unreported == [42] and b.num_pending == 0  # not computed before it is reported
+    assert [(ch.seq.seq_id, ch.start) for ch in s.schedule()] == [("a", 9), ("c", 0)]
+    s.grown("b", [8], [])  # the kvstore accepted 42 and gave b a block for it
+    chunks = s.schedule()  # b decodes, a finishes its prompt, c starts
+    assert [(ch.seq.seq_id, ch.start, ch.num_tokens) for ch in chunks] == [
+        ("b", 3, 1),
+        ("a", 9, 3),
+        ("c", 0, 6),
+    ]
+    with pytest.raises(AssertionError, match="mid-prompt"):
+        s.computed(chunks[2], new_token=5)
+    assert s.seqs["c"].num_computed == 0  # a refused update changes nothing
+
+
+def test_placement_order_room_and_victim() -> None:
+    s = scheduler(seqs=2)
+    for name in "abcd":
+        s.add(name, [1, 2, 3])
+    assert [q.seq_id for q in s.to_place()] == ["a", "b"]
+    s.placed("a", [0], 0, 3)
+    s.placed("b", [1], 0, 3)
+    assert s.to_place() == [] and s.victim().seq_id == "b"
+    s.preempted("b")
+    assert [q.seq_id for q in s.to_place()] == ["b"]  # preempted before the new c and d
+    s.finish("a")
+    assert [q.seq_id for q in s.to_place()] == ["b", "c"]
+    with pytest.raises(ValueError, match="already exists"):
+        s.add("c", [1])
+
+
+def test_grown_applies_copies_and_new_blocks() -> None:
+    s = scheduler()
+    s.add("p", list(range(6)))
+    s.placed("p", [3, 4], 6, 6)
+    assert s.grown("p", [9], [(1, 4, 8)]) == [(4, 8)]
+    assert s.seqs["p"].block_ids == [3, 8, 9]
+    with pytest.raises(AssertionError, match="is not"):
+        s.grown("p", [], [(0, 5, 6)])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    prompts=st.lists(st.integers(1, 30), min_size=1, max_size=8),
+    outputs=st.integers(1, 12),
+    blocks=st.integers(8, 40),
+    budget=st.integers(1, 24),
+)
+def test_every_sequence_finishes_under_memory_pressure(
+    prompts: list[int], outputs: int, blocks: int, budget: int
+) -> None:
+    """The engine's step loop, minus the model: schedule, 'compute', append at the real manager,
+    preempt the victim when it has no room, place what fits. Every sequence ends with its prompt
+    and ``outputs`` tokens, and the scheduler's tables always equal the manager's."""
+    if max(-(-(p + outputs) // BS) for p in prompts) > blocks:
+        return  # one sequence alone cannot fit: not this test's business
+    kv = KVCacheManager(blocks, 0, BS)
+    s = scheduler(seqs=4, tokens=budget)
+    for i, n in enumerate(prompts):
+        s.add(f"r{i}", [i * 100 + t for t in range(n)])
+    done: dict[str, list[int]] = {}
+    for _ in range(2000):
+        for seq in s.to_place():
+            try:
+                if seq.status is SeqStatus.PREEMPTED:
+                    placed, _ = kv.resume(seq.seq_id, "w")
+                else:
+                    placed = kv.admit(seq.seq_id, "w", seq.token_ids, None)
+            except KVError as err:
+                assert err.code == "no_space"
+                break
+            known = len(kv.requests[seq.seq_id].token_ids)
+            s.placed(seq.seq_id, placed.block_ids, placed.num_computed, known)
+        chunks = s.schedule()
+        for chunk in chunks:  # the forward pass
+            s.computed(chunk, 7 if chunk.samples else None)
+        for seq in s.running():  # the step's appends, oldest first; preempt on no room
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted above to make room
+            while True:
+                try:
+                    growth = kv.append(seq.seq_id, "w", seq.unreported, seq.num_computed)
+                except KVError as err:
+                    assert err.code == "no_space"
+                    victim = s.victim()
+                    kv.preempt([victim.seq_id], "w", 0.0)
+                    s.preempted(victim.seq_id)
+                    if victim is seq:
+                        break
+                    continue
+                s.grown(seq.seq_id, growth.new_block_ids, growth.copies)
+                break
+            if seq.status is SeqStatus.RUNNING and len(seq.token_ids) - seq.num_prompt == outputs:
+                kv.free(seq.seq_id, "w")
+                done[seq.seq_id] = s.finish(seq.seq_id).token_ids
+        assert chunks or s.running() or not s.seqs, "nothing runs although sequences wait"
+        kv.check_integrity()
+        for seq in s.running():
+            assert seq.block_ids == kv.requests[seq.seq_id].block_ids
+            assert seq.token_ids[: seq.num_reported] == kv.requests[seq.seq_id].token_ids
+        if not s.seqs:
+            break
+    assert sorted(done) == sorted(f"r{i}" for i in range(len(prompts)))
+    for i, n in enumerate(prompts):
+        assert done[f"r{i}"] == [i * 100 + t for t in range(n)] + [7] * outputs
