@@ -1,0 +1,485 @@
+"""The Redis contract between the gateway and the compute workers. Torch-free.
+
+Every Redis key name, and the records that travel through Redis, live in this one module (the
+gateway writes requests and reads token deltas; compute workers do the reverse). arq is the model:
+plain functions over a client; the worker side takes a sync ``redis.Redis``, the gateway side a
+``redis.asyncio.Redis``. Both must use ``decode_responses=False`` (the default): records are bytes.
+
+Keys (all under ``pagedserve:``)::
+
+    pagedserve:requests        stream of RequestRecord; consumer group "pagedserve:workers"
+    pagedserve:out:{req_id}    stream of OutputRecord (token deltas) for one request
+    pagedserve:abort:{req_id}  string "1": the client went away (SET EX ABORT_TTL_S)
+
+An entry's fields: ``v`` (record version, b"1"), ``rec`` (one msgspec Struct as MessagePack) and,
+for requests, ``id`` (the req_id in clear, so a malformed record can still be answered).
+
+Lifecycle and cleanup:
+
+- The gateway ``submit``s (XADD). A worker ``read_requests`` (XREADGROUP ``>``): the entry is
+  pending for that consumer until ``ack``, which XACKs **and XDELs** it, so the request stream
+  only ever holds waiting and in-flight requests. No MAXLEN/XTRIM: trimming by length could drop
+  requests nobody has served yet; the gateway applies back-pressure with XLEN instead.
+- A worker holds a *lease* on its pending entries: it must ``touch`` them more often than
+  ``CLAIM_IDLE_MS`` (e.g. every few seconds); ``touch`` returns the ids it still owns. Entries
+  idle longer belong to a dead worker and another one takes them with ``claim_stale``
+  (XAUTOCLAIM), reads what was already streamed with ``read_streamed`` and resumes. An entry
+  delivered more than ``MAX_DELIVERIES`` times (it kills workers) is answered with an error.
+- A worker's step is one round trip: ``step`` publishes all deltas (one EVAL), acks finished
+  requests and checks aborts (MGET). Every ``publish`` refreshes the output stream's TTL:
+  ``OUTPUT_IDLE_TTL_S`` while running (so a stream of a request nobody finishes still goes
+  away), ``OUTPUT_TTL_S`` after its final record.
+- Abort keys expire by themselves after ``ABORT_TTL_S``.
+
+Malformed entries (garbage, another version, an unknown shape) raise ``RecordError`` from the
+``decode_*`` functions. The reader loops never crash on them: ``read_requests``/``claim_stale``
+skip such an entry, log it, answer its req_id (if readable) with a final "error" record, and ack
+it; ``stream_output`` yields a final "error" record and stops; ``read_streamed`` raises
+``RecordError`` (the resuming worker cannot continue the request and should fail it).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Iterable, Sequence
+from typing import Any, Literal
+
+import msgspec
+import redis
+import redis.asyncio
+import redis.client
+
+log = logging.getLogger("pagedserve.queue")
+
+
+class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """How to pick tokens for one request (OpenAI-style fields plus beam search).
+
+    ``temperature == 0`` is greedy. ``top_k == 0`` and ``top_p == 1.0`` disable those filters.
+    ``seed`` makes sampling reproducible per request (None: nondeterministic). ``n`` sequences
+    share the prompt's blocks (kvstore fork). ``beam_width > 1`` selects beam search (greedy
+    scoring, ``length_penalty`` as in Hugging Face: score = logprob_sum / length**penalty).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    n: int = 1
+    stop_token_ids: list[int] = []
+    stop: list[str] = []
+    ignore_eos: bool = False
+    beam_width: int = 1
+    length_penalty: float = 1.0
+
+    def validate(self) -> None:
+        """Raises ValueError naming the first field out of range."""
+        checks = [
+            (self.max_tokens >= 1, "max_tokens must be at least 1"),
+            (self.temperature >= 0, "temperature must be >= 0"),
+            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+            (self.top_k >= 0, "top_k must be >= 0"),
+            (self.n >= 1, "n must be at least 1"),
+            (self.beam_width >= 1, "beam_width must be at least 1"),
+            (self.beam_width == 1 or self.n <= self.beam_width, "n must be <= beam_width"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+
+# ---------------------------------------------------------------- key names and limits
+KEY_PREFIX = "pagedserve:"
+REQUEST_STREAM = KEY_PREFIX + "requests"
+REQUEST_GROUP = KEY_PREFIX + "workers"
+RECORD_VERSION = 1
+
+OUTPUT_TTL_S = 300  # an output stream lives this long after its final record
+OUTPUT_IDLE_TTL_S = 3600  # ... and this long after any other record (nobody finished it)
+ABORT_TTL_S = 3600  # must outlast the longest wait in the queue
+CLAIM_IDLE_MS = 30_000  # a pending request untouched this long belongs to a dead worker
+MAX_DELIVERIES = 3  # deliveries (first read + claims) before a request is failed
+STREAM_READ_COUNT = 256  # entries per XREAD in stream_output
+
+
+def output_key(req_id: str) -> str:
+    return f"{KEY_PREFIX}out:{req_id}"
+
+
+def abort_key(req_id: str) -> str:
+    return f"{KEY_PREFIX}abort:{req_id}"
+
+
+# ---------------------------------------------------------------- records
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class RecordError(ValueError):
+    """A stream entry this build cannot read: garbage, another version, or an unknown shape."""
+
+
+class RequestRecord(msgspec.Struct, array_like=True, forbid_unknown_fields=True, tag="req"):
+    """One request, as the gateway submits it. ``arrival_time``: the gateway's ``time.time()``.
+    ``salt``: mixed into the prefix-cache hash, so only requests with the same salt share
+    blocks. ``priority``: lower is served first among the requests one worker holds (the stream
+    itself is FIFO)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    model: str
+    arrival_time: float
+    salt: bytes | None = None
+    priority: int = 0
+
+
+class OutputRecord(
+    msgspec.Struct, array_like=True, forbid_unknown_fields=True, tag="out", gc=False
+):
+    """One delta of one sequence (``index`` < n, or a beam) of a request.
+
+    ``logprobs``: one per new token, when computed. ``finish_reason`` ends *this sequence*;
+    ``final`` ends the *request* (every sequence finished; for n == 1 it is the record that
+    carries the finish_reason): readers stop there and no record follows it. An abort or error of
+    the whole request is one record with ``final`` (any index). ``error`` is set with finish_reason
+    "error". ``prompt_tokens`` and ``cached_tokens`` (prefix-cache hit) are the same on every
+    record of a request.
+    """
+
+    req_id: str
+    index: int = 0
+    token_ids: list[int] = []
+    logprobs: list[float] | None = None
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    final: bool = False
+
+
+class StreamedSequence(msgspec.Struct):
+    """Everything one sequence has streamed so far."""
+
+    token_ids: list[int]
+    finish_reason: FinishReason | None = None
+
+
+class Streamed(msgspec.Struct):
+    """What ``read_streamed`` returns: per sequence index, and whether the request is done."""
+
+    sequences: dict[int, StreamedSequence]
+    final: bool = False
+
+
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(RequestRecord)
+_output_decoder = msgspec.msgpack.Decoder(OutputRecord)
+_VERSION = str(RECORD_VERSION).encode()
+
+
+def encode(record: RequestRecord | OutputRecord) -> bytes:
+    return _encoder.encode(record)
+
+
+def decode_request(data: bytes) -> RequestRecord:
+    """Raises RecordError for anything but a valid RequestRecord (params validated too)."""
+    try:
+        record = _request_decoder.decode(data)
+        record.params.validate()
+    except ValueError as err:  # msgspec.DecodeError is a ValueError
+        raise RecordError(f"not a RequestRecord v{RECORD_VERSION}: {err}") from err
+    return record
+
+
+def decode_output(data: bytes) -> OutputRecord:
+    try:
+        return _output_decoder.decode(data)
+    except msgspec.DecodeError as err:
+        raise RecordError(f"not an OutputRecord v{RECORD_VERSION}: {err}") from err
+
+
+def _payload(entry_id: Any, fields: dict[bytes, bytes]) -> bytes:
+    """The ``rec`` field of an entry whose version this build reads."""
+    version = fields.get(b"v")
+    if version != _VERSION:
+        raise RecordError(f"entry {_s(entry_id)}: record version {version!r}, not {_VERSION!r}")
+    if b"rec" not in fields:
+        raise RecordError(f"entry {_s(entry_id)}: no 'rec' field")
+    return fields[b"rec"]
+
+
+def _s(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _check_bytes(r: redis.Redis | redis.asyncio.Redis) -> None:
+    if r.connection_pool.connection_kwargs.get("decode_responses"):
+        raise ValueError("gateway.queue needs a Redis client with decode_responses=False")
+
+
+def _streams(reply: Any) -> list[tuple[Any, list[tuple[Any, Any]]]]:
+    """XREAD/XREADGROUP reply as [(key, entries)]: RESP2 gives a list, RESP3 a dict."""
+    if not reply:
+        return []
+    return list(reply.items()) if isinstance(reply, dict) else list(reply)
+
+
+# ---------------------------------------------------------------- worker side (sync)
+def ensure_group(r: redis.Redis) -> None:
+    """Creates the request stream and its consumer group (from the start: requests submitted
+    before any worker existed are served). Idempotent."""
+    _check_bytes(r)
+    try:
+        r.xgroup_create(REQUEST_STREAM, REQUEST_GROUP, id="0", mkstream=True)
+    except redis.ResponseError as err:
+        if "BUSYGROUP" not in str(err):
+            raise
+
+
+def read_requests(
+    r: redis.Redis, consumer: str, count: int = 16, block_ms: int | None = None
+) -> list[tuple[str, RequestRecord]]:
+    """New requests for ``consumer`` as ``(entry_id, record)``; ``block_ms=None`` does not wait
+    (a busy engine loop). block_ms must stay below the client's socket_timeout (redis-py 8: 5 s
+    by default; ``block_ms=0``, forever, needs socket_timeout=None). Check ``aborted`` on them
+    before admitting: the client may have left."""
+    try:
+        reply = r.xreadgroup(REQUEST_GROUP, consumer, {REQUEST_STREAM: ">"}, count, block_ms)
+    except redis.ResponseError as err:  # the stream is gone (Redis restarted without AOF)
+        if "NOGROUP" not in str(err):
+            raise
+        ensure_group(r)
+        return []
+    return _accept(r, [entry for _, entries in _streams(reply) for entry in entries])
+
+
+def claim_stale(
+    r: redis.Redis,
+    consumer: str,
+    min_idle_ms: int = CLAIM_IDLE_MS,
+    count: int = 16,
+    max_deliveries: int = MAX_DELIVERIES,
+) -> list[tuple[str, RequestRecord]]:
+    """Takes over up to ``count`` requests of dead workers (pending and untouched for
+    ``min_idle_ms``). Resume each from ``read_streamed``. Requests delivered more than
+    ``max_deliveries`` times are failed (error record, ack) instead of returned."""
+    entries: list[tuple[Any, Any]] = []
+    cursor, vanished = "0-0", False
+    while len(entries) < count:
+        reply = r.xautoclaim(
+            REQUEST_STREAM, REQUEST_GROUP, consumer, min_idle_ms, cursor, count - len(entries)
+        )
+        # Redis 6.2: [cursor, entries]; Redis 7: [cursor, entries, ids of deleted entries].
+        # 6.2 returns an entry deleted from the stream (but still pending) as (None, None).
+        cursor, claimed = _s(reply[0]), reply[1]
+        vanished |= any(fields is None for _, fields in claimed)
+        entries += [(entry_id, fields) for entry_id, fields in claimed if fields is not None]
+        if cursor == "0-0":
+            break
+    if vanished:
+        _ack_vanished(r, consumer)
+    if not entries:
+        return []
+    pipe = r.pipeline(transaction=False)
+    for entry_id, _ in entries:
+        pipe.xpending_range(REQUEST_STREAM, REQUEST_GROUP, entry_id, entry_id, 1)
+    deliveries = {p[0]["message_id"]: p[0]["times_delivered"] for p in pipe.execute() if p}
+    return _accept(r, entries, deliveries, max_deliveries)
+
+
+def _accept(
+    r: redis.Redis,
+    entries: list[tuple[Any, dict[bytes, bytes]]],
+    deliveries: dict[Any, int] | None = None,
+    max_deliveries: int = MAX_DELIVERIES,
+) -> list[tuple[str, RequestRecord]]:
+    """Decodes entries; fails (error record + ack) the malformed and the poisonous ones."""
+    good: list[tuple[str, RequestRecord]] = []
+    failed: list[tuple[str, str | None, str]] = []  # entry id, req_id if known, message
+    for raw_id, fields in entries:
+        entry_id = _s(raw_id)
+        req_id = fields[b"id"].decode(errors="replace") if b"id" in fields else None
+        try:
+            record = decode_request(_payload(raw_id, fields))
+        except RecordError as err:
+            failed.append((entry_id, req_id, f"malformed request entry: {err}"))
+            continue
+        times = (deliveries or {}).get(raw_id, 1)
+        if times > max_deliveries:
+            message = f"request delivered {times} times (its workers died); giving up"
+            failed.append((entry_id, record.req_id, message))
+        else:
+            good.append((entry_id, record))
+    if failed:
+        pipe = r.pipeline(transaction=False)
+        for entry_id, req_id, message in failed:
+            log.warning("request entry %s (req_id %s) failed: %s", entry_id, req_id, message)
+            if req_id is not None:
+                publish(
+                    pipe, [OutputRecord(req_id, finish_reason="error", error=message, final=True)]
+                )
+        ack(pipe, [entry_id for entry_id, _, _ in failed])
+        pipe.execute()
+    return good
+
+
+def _ack_vanished(r: redis.Redis, consumer: str, limit: int = 1000) -> None:
+    """Acks ``consumer``'s pending entries that no longer exist in the stream (trimmed or
+    deleted without XACK): Redis 6.2 keeps them pending forever otherwise."""
+    pending = r.xpending_range(REQUEST_STREAM, REQUEST_GROUP, "-", "+", limit, consumer)
+    ids = [p["message_id"] for p in pending]
+    pipe = r.pipeline(transaction=False)
+    for entry_id in ids:
+        pipe.xrange(REQUEST_STREAM, entry_id, entry_id, 1)
+    gone = [entry_id for entry_id, found in zip(ids, pipe.execute(), strict=True) if not found]
+    if gone:
+        log.warning("acking %d pending request entries deleted from the stream", len(gone))
+        r.xack(REQUEST_STREAM, REQUEST_GROUP, *gone)
+
+
+_TOUCH_LUA = """
+local owned = {}
+for i = 3, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if p[1] and p[1][2] == ARGV[2] then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+    owned[#owned + 1] = ARGV[i]
+  end
+end
+return owned
+"""
+
+
+def touch(r: redis.Redis, consumer: str, entry_ids: Sequence[str]) -> list[str]:
+    """Renews the lease on ``consumer``'s in-flight requests (resets their idle time, atomically,
+    only where ``consumer`` still owns them). Returns the ids it still owns; a missing one was
+    claimed by another worker, which now serves it: stop working on that request."""
+    if not entry_ids:
+        return []
+    owned = r.eval(_TOUCH_LUA, 1, REQUEST_STREAM, REQUEST_GROUP, consumer, *entry_ids)
+    return [_s(entry_id) for entry_id in owned]
+
+
+def ack(pipe_or_client: redis.Redis, entry_ids: Sequence[str]) -> None:
+    """XACK and XDEL finished requests: atomically (MULTI) when given a client, queued into the
+    caller's pipeline (its owner executes it) when given one."""
+    if not entry_ids:
+        return
+    own = not isinstance(pipe_or_client, redis.client.Pipeline)
+    pipe = pipe_or_client.pipeline(transaction=True) if own else pipe_or_client
+    pipe.xack(REQUEST_STREAM, REQUEST_GROUP, *entry_ids)
+    pipe.xdel(REQUEST_STREAM, *entry_ids)
+    if own:
+        pipe.execute()
+
+
+_PUBLISH_LUA = """
+for i = 1, #KEYS do
+  redis.call('XADD', KEYS[i], '*', 'v', ARGV[1], 'rec', ARGV[2 * i])
+  redis.call('EXPIRE', KEYS[i], ARGV[2 * i + 1])
+end
+return #KEYS
+"""
+
+
+def publish(pipe_or_client: redis.Redis, records: Iterable[OutputRecord]) -> None:
+    """Appends deltas to their output streams and refreshes the streams' TTLs, in one command
+    (queued into the caller's pipeline, if given one). One EVAL instead of 2 commands per record:
+    redis-py spends ~15 us of Python per pipelined command, 4x the whole EVAL for 256 records.
+    EVAL (not EVALSHA) so it needs no SCRIPT LOAD and survives a Redis restart."""
+    keys: list[str] = []
+    args: list[bytes | int] = [_VERSION]
+    for record in records:
+        keys.append(output_key(record.req_id))
+        args += [encode(record), OUTPUT_TTL_S if record.final else OUTPUT_IDLE_TTL_S]
+    if keys:
+        pipe_or_client.eval(_PUBLISH_LUA, len(keys), *keys, *args)
+
+
+def aborted(r: redis.Redis, req_ids: Sequence[str]) -> set[str]:
+    """The subset of ``req_ids`` whose client aborted, in one round trip (MGET)."""
+    if not req_ids:
+        return set()
+    values = r.mget([abort_key(req_id) for req_id in req_ids])
+    return {req_id for req_id, v in zip(req_ids, values, strict=True) if v is not None}
+
+
+def is_aborted(r: redis.Redis, req_id: str) -> bool:
+    return bool(r.exists(abort_key(req_id)))
+
+
+def step(
+    r: redis.Redis,
+    records: Iterable[OutputRecord],
+    ack_ids: Sequence[str] = (),
+    check_aborted: Sequence[str] = (),
+) -> set[str]:
+    """One engine step's Redis traffic in one round trip: publish the deltas, ack the finished
+    requests (ack after their final record), and return which of ``check_aborted`` were
+    aborted. Not atomic: a crash may leave a final record unacked; ``read_streamed(...).final``
+    tells the worker that reclaims it to just ack it."""
+    pipe = r.pipeline(transaction=False)
+    publish(pipe, records)
+    ack(pipe, ack_ids)
+    if check_aborted:
+        pipe.mget([abort_key(req_id) for req_id in check_aborted])
+    results = pipe.execute()
+    if not check_aborted:
+        return set()
+    return {i for i, v in zip(check_aborted, results[-1], strict=True) if v is not None}
+
+
+def read_streamed(r: redis.Redis, req_id: str) -> Streamed:
+    """All tokens a request has streamed so far, per sequence index, to resume it. Raises
+    RecordError on a malformed entry (the request cannot be resumed: fail it)."""
+    streamed = Streamed(sequences={})
+    for entry_id, fields in r.xrange(output_key(req_id)):
+        record = decode_output(_payload(entry_id, fields))
+        sequence = streamed.sequences.setdefault(record.index, StreamedSequence([]))
+        sequence.token_ids.extend(record.token_ids)
+        if record.finish_reason is not None:
+            sequence.finish_reason = record.finish_reason
+        streamed.final = streamed.final or record.final
+    return streamed
+
+
+# ---------------------------------------------------------------- gateway side (async)
+async def submit(r: redis.asyncio.Redis, record: RequestRecord) -> str:
+    """Queues a request (params validated: ValueError); returns its entry id."""
+    _check_bytes(r)
+    record.params.validate()
+    fields = {"v": _VERSION, "id": record.req_id, "rec": encode(record)}
+    return _s(await r.xadd(REQUEST_STREAM, fields))
+
+
+async def abort(r: redis.asyncio.Redis, req_id: str) -> None:
+    """Tells the worker serving ``req_id`` (or the one that will pick it up) to stop."""
+    await r.set(abort_key(req_id), b"1", ex=ABORT_TTL_S)
+
+
+async def stream_output(
+    r: redis.asyncio.Redis, req_id: str, block_ms: int = 1000, after: str = "0-0"
+) -> AsyncIterator[OutputRecord]:
+    """The request's deltas in order (from the start, or after entry id ``after``), until and
+    including its ``final`` record. Waits as long as it takes (each XREAD blocks ``block_ms``):
+    bound it with ``asyncio.timeout`` if needed; cancelling it is safe. block_ms must stay below
+    the client's socket_timeout (5 s by default in redis-py 8). A malformed entry ends the stream
+    with a synthesized final "error" record. Holds one pool connection while waiting.
+    """
+    _check_bytes(r)
+    key, last = output_key(req_id), after
+    while True:
+        reply = await r.xread({key: last}, count=STREAM_READ_COUNT, block=block_ms)
+        for _, entries in _streams(reply):
+            for entry_id, fields in entries:
+                last = entry_id
+                try:
+                    record = decode_output(_payload(entry_id, fields))
+                except RecordError as err:
+                    log.warning("output of %s: %s", req_id, err)
+                    yield OutputRecord(req_id, finish_reason="error", error=str(err), final=True)
+                    return
+                yield record
+                if record.final:
+                    return
