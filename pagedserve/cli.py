@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from compute.scheduler import SchedulerConfig
+from compute.worker import ComputeConfig
 from kvstore.daemon import DEFAULT_ENDPOINT, KVStoreConfig
 from pagedserve.config import add_arguments, from_namespace
 
@@ -26,15 +28,32 @@ log = logging.getLogger("pagedserve")
 
 @dataclass(frozen=True)
 class UpConfig:
+    model: str = field(
+        default="tiny",
+        metadata={
+            "help": "local Hugging Face checkpoint directory or 'tiny' (kvstore and workers)"
+        },
+    )
+    device: str = field(
+        default="auto",
+        metadata={
+            "help": "'cuda', 'cpu' or 'auto': cuda when there is a GPU (kvstore and workers)"
+        },
+    )
+    workers: int = field(default=1, metadata={"help": "compute workers to start"})
+    endpoint: str = field(default=DEFAULT_ENDPOINT, metadata={"help": "kvstore endpoint"})
     kvstore_args: str = field(
         default="",
         metadata={
-            "help": 'extra flags passed to `pagedserve kvstore`, e.g. "--device cpu --kv-memory 2"'
+            "help": 'extra flags for `pagedserve kvstore`, e.g. "--kv-memory 2 --swap-memory 8"'
         },
     )
-    endpoint: str = field(default=DEFAULT_ENDPOINT, metadata={"help": "kvstore endpoint"})
+    compute_args: str = field(
+        default="",
+        metadata={"help": 'extra flags for each `pagedserve compute`, e.g. "--max-num-seqs 64"'},
+    )
     startup_timeout_s: float = field(
-        default=120.0, metadata={"help": "how long to wait for every process to become healthy"}
+        default=300.0, metadata={"help": "how long to wait for every process to become healthy"}
     )
 
 
@@ -50,6 +69,14 @@ def main(argv: list[str] | None = None) -> None:
         "index, the CPU swap tier and the swap-vs-recompute cost model.",
     )
     add_arguments(kv, KVStoreConfig)
+    compute = sub.add_parser(
+        "compute",
+        help="run a compute worker",
+        description="A compute worker: pulls requests from Redis, runs the model over the "
+        "kvstore's paged pool, streams tokens back to Redis.",
+    )
+    add_arguments(compute, ComputeConfig)
+    add_arguments(compute, SchedulerConfig)
     up = sub.add_parser("up", help="run the whole stack until Ctrl-C")
     add_arguments(up, UpConfig)
     args = parser.parse_args(argv)
@@ -57,6 +84,10 @@ def main(argv: list[str] | None = None) -> None:
         from kvstore.daemon import run
 
         run(from_namespace(KVStoreConfig, args))
+    elif args.command == "compute":
+        from compute.worker import run as run_compute
+
+        run_compute(from_namespace(ComputeConfig, args), from_namespace(SchedulerConfig, args))
     else:
         run_up(from_namespace(UpConfig, args))
 
@@ -64,12 +95,8 @@ def main(argv: list[str] | None = None) -> None:
 def spawn_kvstore(
     endpoint: str, flags: list[str], timeout_s: float = 120.0, **popen: Any
 ) -> subprocess.Popen[bytes]:
-    """Starts `pagedserve kvstore` as a child process (this checkout on its PYTHONPATH) and
-    returns once it answers a ping."""
-    root = str(Path(__file__).resolve().parent.parent)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "pagedserve.cli", "kvstore", "--endpoint", endpoint, *flags]
-    process = subprocess.Popen(cmd, env=env, **popen)
+    """Starts `pagedserve kvstore` as a child process and returns once it answers a ping."""
+    process = _spawn("kvstore", ["--endpoint", endpoint, *flags], **popen)
     try:
         wait_for_kvstore(endpoint, process, timeout_s)
     except BaseException:
@@ -103,36 +130,102 @@ def _raise_keyboard_interrupt(signum: int, frame: object) -> None:
 
 
 def run_up(config: UpConfig) -> None:
-    """Starts every process, waits until each is healthy, prints where; Ctrl-C stops them all."""
+    """Starts Redis, the kvstore and the workers, waits until the workers have registered,
+    prints where. Ctrl-C stops them all: workers first (they drain their requests), then the
+    kvstore, then Redis; a second Ctrl-C makes the workers stop at once."""
     import shlex
 
     from pagedserve.redis_server import EmbeddedRedis
 
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    shared = ["--model", config.model, "--device", config.device]
     redis = EmbeddedRedis.start()
     log.info("redis at %s", redis.url)
-    kvstore: subprocess.Popen[bytes] | None = None
+    kvstore: list[subprocess.Popen[bytes]] = []
+    workers: list[subprocess.Popen[bytes]] = []
     try:
-        flags = shlex.split(config.kvstore_args)
-        kvstore = spawn_kvstore(config.endpoint, flags, config.startup_timeout_s)
+        # Children get their own session: a terminal Ctrl-C reaches only us, and we stop them
+        # in order (a worker drains against a kvstore that is still up).
+        kv_flags = [*shared, *shlex.split(config.kvstore_args)]
+        kvstore.append(
+            spawn_kvstore(
+                config.endpoint, kv_flags, config.startup_timeout_s, start_new_session=True
+            )
+        )
+        worker_flags = [
+            *shared,
+            "--kvstore",
+            config.endpoint,
+            "--redis-url",
+            redis.url,
+            *shlex.split(config.compute_args),
+        ]
+        for _ in range(config.workers):
+            workers.append(_spawn("compute", worker_flags, start_new_session=True))
+        wait_for_workers(
+            config.endpoint, config.workers, kvstore + workers, config.startup_timeout_s
+        )
         print(
-            f"pagedserve is up: redis {redis.url}, kvstore {config.endpoint}. Ctrl-C stops it.",
+            f"pagedserve is up: redis {redis.url}, kvstore {config.endpoint}, "
+            f"{config.workers} worker(s). Ctrl-C stops it.",
             flush=True,
         )
-        while kvstore.poll() is None:
+        while all(process.poll() is None for process in kvstore + workers):
             time.sleep(0.5)
-        log.error("kvstore exited with %s", kvstore.returncode)
+        log.error("a process exited: %s", [p.returncode for p in kvstore + workers])
     except KeyboardInterrupt:
-        log.info("stopping")
+        log.info("stopping (Ctrl-C again: workers stop without draining)")
     finally:
-        if kvstore is not None and kvstore.poll() is None:
-            kvstore.send_signal(signal.SIGINT)
-            try:
-                kvstore.wait(10)
-            except subprocess.TimeoutExpired:
-                kvstore.kill()
+        _stop_group(workers)
+        _stop_group(kvstore)
         redis.stop()
+
+
+def _stop_group(processes: list[subprocess.Popen[bytes]], timeout_s: float = 120.0) -> None:
+    """SIGINT to each; wait. Another Ctrl-C meanwhile sends each a second SIGINT (stop now);
+    past ``timeout_s`` they are killed."""
+    for process in processes:
+        if process.poll() is None:
+            process.send_signal(signal.SIGINT)
+    deadline = time.monotonic() + timeout_s
+    for process in processes:
+        while process.poll() is None:
+            try:
+                process.wait(max(deadline - time.monotonic(), 0.1))
+            except KeyboardInterrupt:
+                for other in processes:
+                    if other.poll() is None:
+                        other.send_signal(signal.SIGINT)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+def _spawn(command: str, flags: list[str], **popen: Any) -> subprocess.Popen[bytes]:
+    """`pagedserve <command> <flags>` as a child process, this checkout on its PYTHONPATH."""
+    root = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "pagedserve.cli", command, *flags]
+    return subprocess.Popen(cmd, env=env, **popen)
+
+
+def wait_for_workers(
+    endpoint: str, count: int, processes: list[subprocess.Popen[bytes]], timeout_s: float
+) -> None:
+    """Until ``count`` workers are registered at the kvstore (they load and profile first)."""
+    from kvstore import protocol as p
+    from kvstore.client import KVClient
+
+    deadline = time.monotonic() + timeout_s
+    with KVClient(endpoint, timeout_s=5) as client:
+        while time.monotonic() < deadline:
+            if any(process.poll() is not None for process in processes):
+                raise SystemExit("a process exited during startup")
+            stats = client.call(p.GetStats(0))
+            if len(stats.workers) >= count:  # type: ignore[union-attr]
+                return
+            time.sleep(0.5)
+    raise SystemExit(f"{count} workers not registered after {timeout_s} s")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,272 @@
+"""The compute worker's engine loop: Redis requests in, token deltas out, KV in the kvstore's pool.
+
+One step (single-threaded):
+1. take new requests from the Redis consumer group while there is room;
+2. run one packed forward over the scheduler's chunks (decodes first, then prefill chunks),
+   after performing the copy-on-write copies the kvstore asked for;
+3. sample, check stop conditions;
+4. one kvstore round trip: free finished sequences, report every running sequence's new tokens
+   and computed count, resume/admit what fits; when the kvstore has no block for a running
+   sequence, preempt the latest arrival (the kvstore's cost model picks swap or recompute) and
+   retry, one more round trip each;
+5. one Redis round trip: publish the deltas, ack finished requests, check for aborts.
+
+The worker holds nothing that cannot be rebuilt: request state is in Redis (the request entry,
+its output stream) and the KV blocks are the kvstore's. Not yet here: n > 1 (fork), beam
+search, adopting the requests of a dead worker (``claim_stale`` + ``adopt``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import redis
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from compute.runner import ModelRunner, ScheduledChunk
+from compute.sampling import RowState, StopChecker, sample
+from compute.scheduler import Scheduler, SchedulerConfig, SeqStatus, Sequence
+from gateway import queue
+from kvstore import protocol as p
+from kvstore.client import KVClient
+from kvstore.device import map_pool
+
+log = logging.getLogger("pagedserve.compute")
+
+
+@dataclass
+class Active:
+    """A request this worker serves (n = 1: one sequence, seq_id = req_id)."""
+
+    entry_id: str
+    record: queue.RequestRecord
+    seq: Sequence
+    stop: StopChecker
+    cached_tokens: int = 0
+
+
+class Engine:
+    def __init__(
+        self,
+        worker_id: str,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        kv: KVClient,
+        r: redis.Redis,
+        config: SchedulerConfig,
+        prefill_profile: list[tuple[int, float]],
+    ) -> None:
+        self.worker_id, self.model, self.tokenizer, self.kv, self.redis = (
+            worker_id,
+            model,
+            tokenizer,
+            kv,
+            r,
+        )
+        reply = kv.call(p.Register(worker_id, prefill_profile, str(model.device), _pid()))
+        assert isinstance(reply, p.Registered)
+        pool = map_pool(reply.pool)  # [blocks, layers, 2, block, kv_heads, d], shared
+        if pool.device.type != model.device.type:
+            raise RuntimeError(
+                f"the kvstore's pool is on {pool.device.type}, the model on "
+                f"{model.device.type}: start both on the same device"
+            )
+        self.runner = ModelRunner(model, pool, reply.pool.block_size)
+        self.scheduler = Scheduler(config, reply.pool.block_size)
+        self.active: dict[str, Active] = {}
+        self.copies: list[tuple[int, int]] = []
+        self.accepting = True  # takes new requests from Redis
+        eos = model.generation_config.eos_token_id
+        self.eos_ids = {eos} if isinstance(eos, int) else set(eos or [])
+        queue.ensure_group(r)
+        log.info(
+            "worker %s: %d GPU blocks, block size %d",
+            worker_id,
+            reply.num_gpu_blocks,
+            reply.pool.block_size,
+        )
+
+    # ------------------------------------------------------------------ the loop
+    def step(self, block_ms: int | None = None) -> bool:
+        """One engine step; False when there was nothing to do."""
+        self._take_requests(block_ms if not self.active else None)
+        records, finished, computed = self._forward_and_sample()
+        self._kv_step(finished, computed)
+        aborted = queue.step(self.redis, records, [a.entry_id for a in finished], list(self.active))
+        for req_id in aborted:
+            self._end(self.active[req_id], "abort")
+        return bool(self.active) or bool(records)
+
+    def _take_requests(self, block_ms: int | None) -> None:
+        room = self.scheduler.config.max_num_seqs - len(self.active)
+        if room <= 0 or not self.accepting:
+            return
+        for entry_id, record in queue.read_requests(self.redis, self.worker_id, room, block_ms):
+            seq = self.scheduler.add(record.req_id, record.prompt_token_ids)
+            context = record.prompt_token_ids[-4:]
+            stop = StopChecker(record.params, self.eos_ids, self.tokenizer.decode, context)
+            self.active[record.req_id] = Active(entry_id, record, seq, stop)
+
+    def _forward_and_sample(self) -> tuple[list[queue.OutputRecord], list[Active], set[str]]:
+        """The step's forward pass; returns the deltas, the finished requests and the ids of
+        the sequences whose KV was computed."""
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return [], [], set()
+        self.runner.copy_blocks(self.copies)
+        self.copies = []
+        batch = [
+            ScheduledChunk(
+                c.seq.token_ids[c.start : c.start + c.num_tokens], c.start, c.seq.block_ids
+            )
+            for c in chunks
+        ]
+        logits = self.runner.forward(batch)  # [chunks, vocab]
+        rows = [i for i, c in enumerate(chunks) if c.samples]
+        actives = [self.active[chunks[i].seq.seq_id] for i in rows]
+        states = [RowState(a.record.params, 0, a.stop.num_generated) for a in actives]
+        tokens = sample(logits[rows], states).token_ids.tolist() if rows else []
+        new_token = dict(zip(rows, tokens, strict=True))
+        records, finished = [], []
+        for i, chunk in enumerate(chunks):
+            self.scheduler.computed(chunk, new_token.get(i))
+        for active, token in zip(actives, tokens, strict=True):
+            update = active.stop.append(token)
+            done = update.finish_reason is not None
+            records.append(self._record(active, [token], update.finish_reason, final=done))
+            if done:
+                finished.append(active)
+        return records, finished, {c.seq.seq_id for c in chunks}
+
+    # ------------------------------------------------------------------ kvstore
+    def _kv_step(self, finished: list[Active], computed: set[str]) -> None:
+        """Frees the finished, reports the progress of every running sequence ``computed`` this
+        step or holding unreported tokens (decodes as one columnar TokenBatch), resumes and
+        admits what the scheduler places."""
+        frees = [active.seq.seq_id for active in finished]
+        for active in finished:
+            self.scheduler.finish(active.seq.seq_id)
+            del self.active[active.seq.seq_id]
+        decodes, appends = [], []
+        for seq in self.scheduler.running():
+            if len(seq.unreported) == 1 and seq.num_computed == seq.num_reported:
+                decodes.append(seq)
+            elif seq.unreported or seq.seq_id in computed:
+                appends.append(p.AppendItem(seq.seq_id, seq.unreported, seq.num_computed))
+        tokens = (
+            p.TokenBatch(
+                [s.seq_id for s in decodes],
+                [s.token_ids[-1] for s in decodes],
+                [s.num_computed for s in decodes],
+            )
+            if decodes
+            else None
+        )
+        to_place = self.scheduler.to_place()
+        reply = self._call(
+            p.Step(
+                self.worker_id,
+                frees=frees,
+                appends=appends,
+                tokens=tokens,
+                resumes=[s.seq_id for s in to_place if s.status is SeqStatus.PREEMPTED],
+                admits=[
+                    p.AdmitItem(s.seq_id, s.token_ids, self.active[s.seq_id].record.salt)
+                    for s in to_place
+                    if s.status is SeqStatus.WAITING
+                ],
+            )
+        )
+        self._apply(reply)
+
+    def _apply(self, reply: p.StepReply) -> None:
+        """Takes in a step reply; while a running sequence got no block for its new tokens,
+        preempts the latest arrival and retries (one more round trip each)."""
+        while True:
+            for grown in reply.appended:
+                self.copies += self.scheduler.grown(grown.req_id, grown.new_block_ids, grown.copies)
+            for req_id, _mode in reply.preempted:
+                self.scheduler.preempted(req_id)
+            for placed in reply.admitted:  # the kvstore knows the prompt
+                seq = self.scheduler.seqs[placed.req_id]
+                self.scheduler.placed(
+                    seq.seq_id, placed.block_ids, placed.num_computed, len(seq.token_ids)
+                )
+                self.active[seq.seq_id].cached_tokens = placed.num_cached_tokens
+            for placed in reply.resumed:  # the kvstore knows what it held when preempted
+                seq = self.scheduler.seqs[placed.req_id]
+                self.scheduler.placed(
+                    seq.seq_id, placed.block_ids, placed.num_computed, seq.num_reported
+                )
+            for error in reply.errors:
+                if error.code != "no_space":
+                    raise RuntimeError(f"kvstore refused {error.op} of {error.req_id}: {error}")
+            starved = [
+                e.req_id
+                for e in reply.errors
+                if e.op == "append" and self.scheduler.seqs[e.req_id].status is SeqStatus.RUNNING
+            ]
+            if not starved:
+                return
+            victim = self.scheduler.victim()
+            assert victim is not None, "no running sequence to preempt"
+            retry = [self.scheduler.seqs[r] for r in starved if r != victim.seq_id]
+            reply = self._call(
+                p.Step(
+                    self.worker_id,
+                    preempts=[victim.seq_id],
+                    appends=[p.AppendItem(s.seq_id, s.unreported, s.num_computed) for s in retry],
+                )
+            )
+            log.info("preempted %s for lack of blocks: %s", victim.seq_id, reply.preempted)
+
+    def _call(self, body: p.Step) -> p.StepReply:
+        reply = self.kv.call(body)
+        assert isinstance(reply, p.StepReply)
+        return reply
+
+    # ------------------------------------------------------------------ outputs
+    def _record(
+        self, active: Active, tokens: list[int], reason: str | None, final: bool
+    ) -> queue.OutputRecord:
+        return queue.OutputRecord(
+            active.record.req_id,
+            0,
+            tokens,
+            None,
+            reason,  # type: ignore[arg-type]
+            prompt_tokens=active.seq.num_prompt,
+            cached_tokens=active.cached_tokens,
+            final=final,
+        )
+
+    def _end(self, active: Active, reason: str) -> None:
+        """Ends a request early (client abort): frees its blocks, publishes a final record and
+        acks it."""
+        seq = active.seq
+        if seq.status is not SeqStatus.WAITING:  # the kvstore holds it
+            self._call(p.Step(self.worker_id, frees=[seq.seq_id]))
+        self.scheduler.finish(seq.seq_id)
+        del self.active[seq.seq_id]
+        queue.step(self.redis, [self._record(active, [], reason, final=True)], [active.entry_id])
+
+    def run_forever(self, signals: list[int]) -> None:
+        """Steps until a signal arrives (``signals`` grows, in a signal handler); when idle, each
+        step waits up to 100 ms for a request on Redis. After the first signal it takes no new
+        request and drains the running ones; a second signal returns at once."""
+        while len(signals) < 2:
+            if signals:
+                if not self.active:
+                    break
+                if self.accepting:
+                    log.info("draining %d requests (signal again to stop now)", len(self.active))
+                self.accepting = False
+            self.step(block_ms=100)
+        self.kv.call(p.Unregister(self.worker_id))
+
+
+def _pid() -> int:
+    import os
+
+    return os.getpid()

@@ -1,0 +1,79 @@
+"""``pagedserve compute``: a compute worker process (model + engine loop)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+from dataclasses import dataclass, field
+
+import redis
+
+from compute.scheduler import SchedulerConfig
+from kvstore.daemon import DEFAULT_ENDPOINT
+
+log = logging.getLogger("pagedserve.compute")
+
+
+@dataclass(frozen=True)
+class ComputeConfig:
+    model: str = field(
+        default="tiny",
+        metadata={
+            "help": "local Hugging Face checkpoint directory, or 'tiny' (random weights, byte "
+            "tokenizer); must match the kvstore's --model"
+        },
+    )
+    dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "model dtype; 'auto' takes the checkpoint's (must match the kvstore's pool)",
+            "choices": ["auto", "float32", "float16", "bfloat16"],
+        },
+    )
+    device: str = field(
+        default="auto",
+        metadata={
+            "help": "'cuda', 'cuda:N', 'cpu' or 'auto' (the kvstore's pool must live there too)"
+        },
+    )
+    kvstore: str = field(default=DEFAULT_ENDPOINT, metadata={"help": "the kvstore's endpoint"})
+    redis_url: str = field(
+        default="redis://127.0.0.1:6379/0",
+        metadata={"help": "Redis holding the request queue and output streams"},
+    )
+    worker_id: str = field(
+        default="",
+        metadata={"help": "name in the kvstore and the Redis consumer group (default: host-pid)"},
+    )
+    log_level: str = field(default="INFO", metadata={"help": "logging level"})
+
+
+def run(config: ComputeConfig, scheduling: SchedulerConfig) -> None:
+    """Loads the model (progress logged), measures its prefill times, registers and serves
+    until a signal: the first drains the running requests, a second stops at once."""
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    from compute.engine import Engine
+    from compute.models import load_model
+    from compute.profile import measure_prefill
+    from kvstore.client import KVClient
+    from kvstore.daemon import resolve_device
+
+    worker_id = config.worker_id or f"{socket.gethostname()}-{os.getpid()}"
+    model, tokenizer = load_model(config.model, config.dtype, resolve_device(config.device))
+    log.info("measuring prefill times for the kvstore's cost model")
+    profile = measure_prefill(model, block_size=16)
+    r = redis.Redis.from_url(config.redis_url)
+    signals: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, _frame: signals.append(signum))
+    signal.signal(signal.SIGTERM, lambda signum, _frame: signals.append(signum))
+    with KVClient(config.kvstore) as kv:
+        engine = Engine(worker_id, model, tokenizer, kv, r, scheduling, profile)
+        log.info(
+            "worker %s serving (redis %s, kvstore %s)", worker_id, config.redis_url, config.kvstore
+        )
+        engine.run_forever(signals)
+    log.info("worker %s stopped", worker_id)

@@ -1,0 +1,138 @@
+"""The engine loop through real processes: a kvstore daemon, Redis, and the worker's engine
+(in this process: the real Engine code), against transformers' own generate."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import pytest
+import redis
+import redis.asyncio
+
+from compute.engine import Engine
+from compute.models import load_model
+from compute.scheduler import SchedulerConfig
+from gateway import queue
+from kvstore import protocol as p
+from kvstore.client import KVClient
+from tests.compute.driver import generate_greedy, reference_model
+from tests.conftest import start_kvstore, stop_process
+
+BLOCK_BYTES = 8192  # tiny model, fp32, block 16: 2 layers x K,V x 16 x 2 heads x 16 x 4 bytes
+PROFILE = [(16, 0.002), (1024, 0.05)]  # prefill seconds the worker reports (CPU, tiny)
+
+
+@pytest.fixture(scope="module")
+def tiny() -> tuple[object, object, object]:
+    model, tokenizer = load_model("tiny", "float32", "cpu")
+    return model, tokenizer, reference_model(model)
+
+
+def submit(redis_url: str, records: list[queue.RequestRecord]) -> None:
+    async def go() -> None:
+        client = redis.asyncio.Redis.from_url(redis_url)
+        for record in records:
+            await queue.submit(client, record)
+        await client.aclose()
+
+    asyncio.run(go())
+
+
+def run_engine(
+    redis_url: str,
+    flags: list[str],
+    prompts: dict[str, list[int]],
+    max_tokens: int,
+    tiny: tuple,
+    max_num_seqs: int = 8,
+) -> tuple[dict[str, list[int]], p.Stats, dict[str, int]]:
+    """Serves ``prompts`` greedily to the end; returns tokens per request, the kvstore's stats
+    and the cached tokens each request reported."""
+    model, tokenizer, _ = tiny
+    process, endpoint = start_kvstore("--model", "tiny", "--dtype", "float32", *flags)
+    try:
+        r = redis.Redis.from_url(redis_url)
+        r.flushdb()
+        params = queue.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        submit(
+            redis_url,
+            [
+                queue.RequestRecord(rid, prompt, params, "tiny", time.time())
+                for rid, prompt in prompts.items()
+            ],
+        )
+        with KVClient(endpoint) as kv:
+            engine = Engine(
+                "w-test", model, tokenizer, kv, r, SchedulerConfig(max_num_seqs, 64), PROFILE
+            )
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                engine.step(block_ms=50)
+                streamed = {rid: queue.read_streamed(r, rid) for rid in prompts}
+                if all(s.final for s in streamed.values()) and not engine.active:
+                    break
+            stats = kv.call(p.GetStats())
+        outputs = {rid: s.sequences[0].token_ids for rid, s in streamed.items()}
+        cached = {}
+        for rid in prompts:
+            entries = r.xrange(queue.output_key(rid))
+            cached[rid] = queue.decode_output(entries[-1][1][b"rec"]).cached_tokens
+        return outputs, stats, cached
+    finally:
+        stop_process(process)
+
+
+def prompts_of(
+    lengths: list[int], seed: int, shared: list[int] | None = None
+) -> dict[str, list[int]]:
+    rng = random.Random(seed)
+    return {
+        f"req{i}": (shared or []) + [rng.randrange(256) for _ in range(n)]
+        for i, n in enumerate(lengths)
+    }
+
+
+def test_greedy_through_kvstore_and_redis_equals_generate(redis_url: str, tiny: tuple) -> None:
+    prompts = prompts_of([5, 17, 33, 40, 64, 3], seed=1)
+    outputs, stats, _ = run_engine(redis_url, ["--kv-memory", "0.01GiB"], prompts, 12, tiny)
+    for rid, prompt in prompts.items():
+        assert outputs[rid] == generate_greedy(tiny[2], prompt, 12), rid
+    assert stats.gpu.used == 0 and not stats.requests  # everything freed
+
+
+def test_prefix_hit_reports_cached_tokens_and_same_output(redis_url: str, tiny: tuple) -> None:
+    shared = list(range(40, 88))  # 48 tokens = 3 full blocks
+    prompts = prompts_of([4, 9], seed=2, shared=shared)
+    # One sequence at a time: req1 is admitted after req0 computed (and freed) the prefix.
+    flags = ["--kv-memory", "0.01GiB"]
+    outputs, stats, cached = run_engine(redis_url, flags, prompts, 6, tiny, max_num_seqs=1)
+    assert cached == {"req0": 0, "req1": 48}
+    assert stats.prefix_hit_tokens == 48
+    for rid, prompt in prompts.items():
+        assert outputs[rid] == generate_greedy(tiny[2], prompt, 6), rid
+
+
+def test_memory_pressure_swaps_and_recomputes_with_identical_output(
+    redis_url: str, tiny: tuple
+) -> None:
+    """40 GPU blocks for 8 requests that need ~6 each at the end; a CPU tier of 12 blocks: some
+    victims are swapped, others recomputed once the CPU tier is full."""
+    prompts = prompts_of([60, 50, 45, 70, 55, 40, 65, 48], seed=3)
+    gib = 40 * BLOCK_BYTES / (1 << 30)
+    swap = 12 * BLOCK_BYTES / (1 << 30)
+    flags = [
+        "--kv-memory",
+        f"{gib:.9f}GiB",
+        "--swap-memory",
+        f"{swap:.9f}",
+        "--admission-watermark",
+        "0",
+    ]
+    outputs, stats, _ = run_engine(redis_url, flags, prompts, 30, tiny)
+    for rid, prompt in prompts.items():
+        assert outputs[rid] == generate_greedy(tiny[2], prompt, 30), rid
+    assert stats.preemptions["swap"] > 0 and stats.preemptions["recompute"] > 0, stats.preemptions
+    assert all(d.predicted_swap_s is not None for d in stats.decisions)
+    assert stats.gpu.used == 0 and stats.cpu.used == 0
