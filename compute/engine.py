@@ -164,6 +164,7 @@ class Engine:
             else None
         )
         to_place = self.scheduler.to_place()
+        reporting = [s.seq_id for s in decodes] + [a.req_id for a in appends]
         reply = self._call(
             p.Step(
                 self.worker_id,
@@ -178,12 +179,16 @@ class Engine:
                 ],
             )
         )
-        self._apply(reply)
+        self._apply(reply, reporting)
 
-    def _apply(self, reply: p.StepReply) -> None:
+    def _apply(self, reply: p.StepReply, reporting: list[str]) -> None:
         """Takes in a step reply; while a running sequence got no block for its new tokens,
         preempts the latest arrival and retries (one more round trip each)."""
         while True:
+            refused = {e.req_id for e in reply.errors if e.op == "append"}
+            for seq_id in reporting:  # accepted, whether or not its table changed
+                if seq_id not in refused:
+                    self.scheduler.reported(seq_id)
             for grown in reply.appended:
                 self.copies += self.scheduler.grown(grown.req_id, grown.new_block_ids, grown.copies)
             for req_id, _mode in reply.preempted:
@@ -212,6 +217,7 @@ class Engine:
             victim = self.scheduler.victim()
             assert victim is not None, "no running sequence to preempt"
             retry = [self.scheduler.seqs[r] for r in starved if r != victim.seq_id]
+            reporting = [seq.seq_id for seq in retry]
             reply = self._call(
                 p.Step(
                     self.worker_id,

@@ -143,13 +143,17 @@ class Scheduler:
         seq.num_reported = num_tokens
         seq.status = SeqStatus.RUNNING
 
+    def reported(self, seq_id: str) -> None:
+        """The kvstore accepted an append of ``unreported`` (with or without a table change)."""
+        seq = self.seqs[seq_id]
+        seq.num_reported = len(seq.token_ids)
+
     def grown(
         self, seq_id: str, new_block_ids: list[int], copies: list[tuple[int, int, int]]
     ) -> list[tuple[int, int]]:
-        """A successful append of ``unreported``: replaces copied blocks, appends new ones.
-        Returns the ``(src, dst)`` copies the worker must perform before its next forward."""
+        """An append changed the table: replaces copied blocks, appends new ones. Returns the
+        ``(src, dst)`` copies the worker must perform before its next forward."""
         seq = self.seqs[seq_id]
-        seq.num_reported = len(seq.token_ids)
         for position, src, dst in copies:
             assert seq.block_ids[position] == src, f"{seq_id}: block {position} is not {src}"
             seq.block_ids[position] = dst

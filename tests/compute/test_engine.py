@@ -47,9 +47,9 @@ def run_engine(
     max_tokens: int,
     tiny: tuple,
     max_num_seqs: int = 8,
-) -> tuple[dict[str, list[int]], p.Stats, dict[str, int]]:
-    """Serves ``prompts`` greedily to the end; returns tokens per request, the kvstore's stats
-    and the cached tokens each request reported."""
+) -> tuple[dict[str, list[int]], p.Stats, dict[str, int], int]:
+    """Serves ``prompts`` greedily to the end; returns tokens per request, the kvstore's stats,
+    the cached tokens each request reported and the number of engine steps."""
     model, tokenizer, _ = tiny
     process, endpoint = start_kvstore("--model", "tiny", "--dtype", "float32", *flags)
     try:
@@ -68,8 +68,14 @@ def run_engine(
                 "w-test", model, tokenizer, kv, r, SchedulerConfig(max_num_seqs, 64), PROFILE
             )
             deadline = time.monotonic() + 120
+            steps = 0
             while time.monotonic() < deadline:
                 engine.step(block_ms=50)
+                steps += 1
+                # The kvstore holds exactly the tokens the worker reported, no more, no fewer.
+                rows = {row.req_id: row for row in kv.call(p.GetStats(0)).requests}
+                for seq in engine.scheduler.running():
+                    assert rows[seq.seq_id].tokens == seq.num_reported, seq.seq_id
                 streamed = {rid: queue.read_streamed(r, rid) for rid in prompts}
                 if all(s.final for s in streamed.values()) and not engine.active:
                     break
@@ -79,7 +85,7 @@ def run_engine(
         for rid in prompts:
             entries = r.xrange(queue.output_key(rid))
             cached[rid] = queue.decode_output(entries[-1][1][b"rec"]).cached_tokens
-        return outputs, stats, cached
+        return outputs, stats, cached, steps
     finally:
         stop_process(process)
 
@@ -96,9 +102,12 @@ def prompts_of(
 
 def test_greedy_through_kvstore_and_redis_equals_generate(redis_url: str, tiny: tuple) -> None:
     prompts = prompts_of([5, 17, 33, 40, 64, 3], seed=1)
-    outputs, stats, _ = run_engine(redis_url, ["--kv-memory", "0.01GiB"], prompts, 12, tiny)
+    outputs, stats, _, steps = run_engine(redis_url, ["--kv-memory", "0.01GiB"], prompts, 12, tiny)
     for rid, prompt in prompts.items():
         assert outputs[rid] == generate_greedy(tiny[2], prompt, 12), rid
+    # 162 prompt tokens at 64 per step (3 steps), then one decode per request per step: the
+    # 12th token of the last prefilled request comes ~14 steps in (one step admits).
+    assert steps <= 20, f"{steps} steps: requests stall between decodes"
     assert stats.gpu.used == 0 and not stats.requests  # everything freed
 
 
@@ -107,7 +116,7 @@ def test_prefix_hit_reports_cached_tokens_and_same_output(redis_url: str, tiny: 
     prompts = prompts_of([4, 9], seed=2, shared=shared)
     # One sequence at a time: req1 is admitted after req0 computed (and freed) the prefix.
     flags = ["--kv-memory", "0.01GiB"]
-    outputs, stats, cached = run_engine(redis_url, flags, prompts, 6, tiny, max_num_seqs=1)
+    outputs, stats, cached, _ = run_engine(redis_url, flags, prompts, 6, tiny, max_num_seqs=1)
     assert cached == {"req0": 0, "req1": 48}
     assert stats.prefix_hit_tokens == 48
     for rid, prompt in prompts.items():
@@ -117,10 +126,10 @@ def test_prefix_hit_reports_cached_tokens_and_same_output(redis_url: str, tiny: 
 def test_memory_pressure_swaps_and_recomputes_with_identical_output(
     redis_url: str, tiny: tuple
 ) -> None:
-    """40 GPU blocks for 8 requests that need ~6 each at the end; a CPU tier of 12 blocks: some
+    """30 GPU blocks for 8 requests that need 6-7 each at the end; a CPU tier of 12 blocks: some
     victims are swapped, others recomputed once the CPU tier is full."""
     prompts = prompts_of([60, 50, 45, 70, 55, 40, 65, 48], seed=3)
-    gib = 40 * BLOCK_BYTES / (1 << 30)
+    gib = 30 * BLOCK_BYTES / (1 << 30)
     swap = 12 * BLOCK_BYTES / (1 << 30)
     flags = [
         "--kv-memory",
@@ -130,9 +139,9 @@ def test_memory_pressure_swaps_and_recomputes_with_identical_output(
         "--admission-watermark",
         "0",
     ]
-    outputs, stats, _ = run_engine(redis_url, flags, prompts, 30, tiny)
+    outputs, stats, _, _ = run_engine(redis_url, flags, prompts, 40, tiny)
     for rid, prompt in prompts.items():
-        assert outputs[rid] == generate_greedy(tiny[2], prompt, 30), rid
+        assert outputs[rid] == generate_greedy(tiny[2], prompt, 40), rid
     assert stats.preemptions["swap"] > 0 and stats.preemptions["recompute"] > 0, stats.preemptions
     assert all(d.predicted_swap_s is not None for d in stats.decisions)
     assert stats.gpu.used == 0 and stats.cpu.used == 0

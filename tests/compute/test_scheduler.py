@@ -33,7 +33,8 @@ def test_decodes_first_then_prefill_chunks_within_the_budget() -> None:
     assert b.token_ids == [0, 1, 2, 42] and (a.num_computed, b.num_computed) == (9, 3)
     assert b.unreported == [42] and b.num_pending == 0  # not computed before it is reported
     assert [(ch.seq.seq_id, ch.start) for ch in s.schedule()] == [("a", 9), ("c", 0)]
-    s.grown("b", [8], [])  # the kvstore accepted 42 and gave b a block for it
+    s.reported("b")  # the kvstore accepted 42 ...
+    s.grown("b", [8], [])  # ... and gave b a block for it
     chunks = s.schedule()  # b decodes, a finishes its prompt, c starts
     assert [(ch.seq.seq_id, ch.start, ch.num_tokens) for ch in chunks] == [
         ("b", 3, 1),
@@ -120,6 +121,7 @@ def test_every_sequence_finishes_under_memory_pressure(
                     if victim is seq:
                         break
                     continue
+                s.reported(seq.seq_id)
                 s.grown(seq.seq_id, growth.new_block_ids, growth.copies)
                 break
             if seq.status is SeqStatus.RUNNING and len(seq.token_ids) - seq.num_prompt == outputs:
