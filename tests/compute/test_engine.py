@@ -47,6 +47,7 @@ def run_engine(
     max_tokens: int,
     tiny: tuple,
     max_num_seqs: int = 8,
+    params: dict[str, queue.SamplingParams] | None = None,
 ) -> tuple[dict[str, list[int]], p.Stats, dict[str, int], int]:
     """Serves ``prompts`` greedily to the end; returns tokens per request, the kvstore's stats,
     the cached tokens each request reported and the number of engine steps."""
@@ -55,11 +56,13 @@ def run_engine(
     try:
         r = redis.Redis.from_url(redis_url)
         r.flushdb()
-        params = queue.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        greedy = queue.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         submit(
             redis_url,
             [
-                queue.RequestRecord(rid, prompt, params, "tiny", time.time())
+                queue.RequestRecord(
+                    rid, prompt, (params or {}).get(rid, greedy), "tiny", time.time()
+                )
                 for rid, prompt in prompts.items()
             ],
         )
@@ -145,3 +148,23 @@ def test_memory_pressure_swaps_and_recomputes_with_identical_output(
     assert stats.preemptions["swap"] > 0 and stats.preemptions["recompute"] > 0, stats.preemptions
     assert all(d.predicted_swap_s is not None for d in stats.decisions)
     assert stats.gpu.used == 0 and stats.cpu.used == 0
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(redis_url: str, tiny: tuple) -> None:
+    """A seeded request gives the same tokens alone and among other (unseeded) requests."""
+    prompt = prompts_of([20], seed=4)["req0"]
+    seeded = queue.SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=1234)
+    flags = ["--kv-memory", "0.01GiB"]
+    alone, *_ = run_engine(redis_url, flags, {"s": prompt}, 10, tiny, params={"s": seeded})
+    crowd = {
+        "a": prompts_of([7], seed=5)["req0"],
+        "s": prompt,
+        "b": prompts_of([30], seed=6)["req0"],
+    }
+    noisy = queue.SamplingParams(max_tokens=10, temperature=1.0)
+    params = {"a": noisy, "s": seeded, "b": noisy}
+    together, *_ = run_engine(redis_url, flags, crowd, 10, tiny, params=params)
+    assert alone["s"] == together["s"] and len(alone["s"]) == 10
+    other = queue.SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=99)
+    different, *_ = run_engine(redis_url, flags, {"s": prompt}, 10, tiny, params={"s": other})
+    assert different["s"] != alone["s"]  # the seed matters
