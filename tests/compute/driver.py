@@ -8,6 +8,7 @@ drive prefill chunks and decodes through the model path the way the worker will.
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -155,3 +156,17 @@ def generate_greedy(ref: PreTrainedModel, prompt: list[int], max_new: int) -> li
         pad_token_id=EOS,
     )
     return out[0, len(prompt) :].tolist()
+
+
+def run_chunked_schedule(
+    model: PreTrainedModel, prompts: list[list[int]], max_new: Sequence[int]
+) -> GreedyDriver:
+    """The chunked-and-mixed schedule the CPU and GPU tests share: a 48-token budget per step;
+    r0-r2 admitted first, r3 after one step (its prefill runs beside the others' decodes)."""
+    driver = GreedyDriver(model, token_budget=48)
+    for i in range(3):
+        driver.admit(f"r{i}", prompts[i], max_new[i])
+    driver.step()
+    driver.admit("r3", prompts[3], max_new[3])
+    driver.run()
+    return driver

@@ -12,7 +12,7 @@ import torch
 
 from compute.models import FAMILIES, load_model, tiny_family_config
 from compute.runner import ModelRunner, ScheduledChunk
-from tests.compute.driver import GreedyDriver, paged_model, reference_model
+from tests.compute.driver import GreedyDriver, paged_model, reference_model, run_chunked_schedule
 
 PROMPT_LENS = (5, 17, 33, 40)
 MAX_NEW = (12, 8, 16, 10)
@@ -52,12 +52,7 @@ def test_cuda_chunked_prefill_and_decode_match_sdpa(
     model = paged_model(config, seed=FAMILIES.index(family)).to(cuda, torch.bfloat16)
     gen = torch.Generator().manual_seed(9)
     prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in PROMPT_LENS]
-    driver = GreedyDriver(model, token_budget=48)
-    for i in range(3):
-        driver.admit(f"r{i}", prompts[i], MAX_NEW[i])
-    driver.step()
-    driver.admit("r3", prompts[3], MAX_NEW[3])
-    driver.run()
+    driver = run_chunked_schedule(model, prompts, MAX_NEW)
     assert driver.steps[1][2:] == [("r2", 26, 7), ("r3", 0, 39)]  # chunks mixed with decodes
     check_against_sdpa(driver, tol=0.03)
 

@@ -13,7 +13,13 @@ import pytest
 from transformers import PreTrainedModel
 
 from compute.models import FAMILIES, tiny_family_config
-from tests.compute.driver import GreedyDriver, generate_greedy, paged_model, reference_model
+from tests.compute.driver import (
+    GreedyDriver,
+    generate_greedy,
+    paged_model,
+    reference_model,
+    run_chunked_schedule,
+)
 
 PROMPT_LENS = (5, 17, 33, 40)
 MAX_NEW = (12, 8, 16, 10)
@@ -58,12 +64,7 @@ def test_chunked_prefill_mixed_with_decodes(family: str) -> None:
     """A 48-token budget per step: the 33-token prompt is prefilled in two chunks; a request
     admitted late is prefilled in two chunks while the others decode."""
     model, prompts, expected = family_setup(family)
-    driver = GreedyDriver(model, token_budget=48)
-    for i in range(3):
-        driver.admit(f"r{i}", prompts[i], MAX_NEW[i])
-    driver.step()
-    driver.admit("r3", prompts[3], MAX_NEW[3])
-    driver.run()
+    driver = run_chunked_schedule(model, prompts, MAX_NEW)
     assert driver.steps[0] == [("r0", 0, 5), ("r1", 0, 17), ("r2", 0, 26)]
     # decodes, the rest of r2's prompt (not block-aligned) and most of r3's prompt, packed
     assert driver.steps[1] == [("r0", 5, 1), ("r1", 17, 1), ("r2", 26, 7), ("r3", 0, 39)]
