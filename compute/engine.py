@@ -19,6 +19,7 @@ search, adopting the requests of a dead worker (``claim_stale`` + ``adopt``).
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import redis
@@ -57,14 +58,11 @@ class Engine:
         config: SchedulerConfig,
         prefill_profile: list[tuple[int, float]],
     ) -> None:
-        self.worker_id, self.model, self.tokenizer, self.kv, self.redis = (
-            worker_id,
-            model,
-            tokenizer,
-            kv,
-            r,
-        )
-        reply = kv.call(p.Register(worker_id, prefill_profile, str(model.device), _pid()))
+        self.worker_id = worker_id
+        self.tokenizer = tokenizer
+        self.kv = kv
+        self.redis = r
+        reply = kv.call(p.Register(worker_id, prefill_profile, str(model.device), os.getpid()))
         assert isinstance(reply, p.Registered)
         pool = map_pool(reply.pool)  # [blocks, layers, 2, block, kv_heads, d], shared
         if pool.device.type != model.device.type:
@@ -270,9 +268,3 @@ class Engine:
                 self.accepting = False
             self.step(block_ms=100)
         self.kv.call(p.Unregister(self.worker_id))
-
-
-def _pid() -> int:
-    import os
-
-    return os.getpid()
