@@ -37,13 +37,22 @@ log = logging.getLogger("pagedserve.compute")
 
 
 @dataclass
+class Branch:
+    """One of a request's n sequences (index 0 is the request's own kvstore request)."""
+
+    index: int
+    seq: Sequence
+    stop: StopChecker
+
+
+@dataclass
 class Active:
-    """A request this worker serves (n = 1: one sequence, seq_id = req_id)."""
+    """A request this worker serves; its branches beyond the first are forked after the prompt."""
 
     entry_id: str
     record: queue.RequestRecord
-    seq: Sequence
-    stop: StopChecker
+    branches: list[Branch]
+    live: int = 1  # branches not finished
     cached_tokens: int = 0
 
 
@@ -72,7 +81,9 @@ class Engine:
             )
         self.runner = ModelRunner(model, pool, reply.pool.block_size)
         self.scheduler = Scheduler(config, reply.pool.block_size)
-        self.active: dict[str, Active] = {}
+        self.active: dict[str, Active] = {}  # by request id
+        self.branch_of: dict[str, tuple[Active, Branch]] = {}  # by sequence id
+        self.forks: dict[str, list[str]] = {}  # parent -> children, for this step's kvstore call
         self.copies: list[tuple[int, int]] = []
         self.accepting = True  # takes new requests from Redis
         eos = model.generation_config.eos_token_id
@@ -90,8 +101,8 @@ class Engine:
         """One engine step; False when there was nothing to do."""
         self._take_requests(block_ms if not self.active else None)
         records, finished, computed = self._forward_and_sample()
-        self._kv_step(finished, computed)
-        aborted = queue.step(self.redis, records, [a.entry_id for a in finished], list(self.active))
+        done = self._kv_step(finished, computed)
+        aborted = queue.step(self.redis, records, [a.entry_id for a in done], list(self.active))
         for req_id in aborted:
             self._end(self.active[req_id], "abort")
         return bool(self.active) or bool(records)
@@ -102,12 +113,21 @@ class Engine:
             return
         for entry_id, record in queue.read_requests(self.redis, self.worker_id, room, block_ms):
             seq = self.scheduler.add(record.req_id, record.prompt_token_ids)
-            context = record.prompt_token_ids[-4:]
-            stop = StopChecker(record.params, self.eos_ids, self.tokenizer.decode, context)
-            self.active[record.req_id] = Active(entry_id, record, seq, stop)
+            active = Active(entry_id, record, [])
+            self.active[record.req_id] = active
+            self._add_branch(active, seq)
 
-    def _forward_and_sample(self) -> tuple[list[queue.OutputRecord], list[Active], set[str]]:
-        """The step's forward pass; returns the deltas, the finished requests and the ids of
+    def _add_branch(self, active: Active, seq: Sequence) -> Branch:
+        record = active.record
+        context = record.prompt_token_ids[-4:]
+        stop = StopChecker(record.params, self.eos_ids, self.tokenizer.decode, context)
+        branch = Branch(len(active.branches), seq, stop)
+        active.branches.append(branch)
+        self.branch_of[seq.seq_id] = (active, branch)
+        return branch
+
+    def _forward_and_sample(self) -> tuple[list[queue.OutputRecord], list[Branch], set[str]]:
+        """The step's forward pass; returns the deltas, the finished branches and the ids of
         the sequences whose KV was computed."""
         chunks = self.scheduler.schedule()
         if not chunks:
@@ -121,31 +141,60 @@ class Engine:
             for c in chunks
         ]
         logits = self.runner.forward(batch)  # [chunks, vocab]
-        rows = [i for i, c in enumerate(chunks) if c.samples]
-        actives = [self.active[chunks[i].seq.seq_id] for i in rows]
-        states = [RowState(a.record.params, 0, a.stop.num_generated) for a in actives]
-        tokens = sample(logits[rows], states).token_ids.tolist() if rows else []
-        new_token = dict(zip(rows, tokens, strict=True))
-        records, finished = [], []
+        # Sampling rows: one per sampling chunk, n for a request's first token (its n branches).
+        rows: list[int] = []
+        owners: list[tuple[Active, int]] = []
+        states: list[RowState] = []
         for i, chunk in enumerate(chunks):
-            self.scheduler.computed(chunk, new_token.get(i))
-        for active, token in zip(actives, tokens, strict=True):
-            update = active.stop.append(token)
-            done = update.finish_reason is not None
-            records.append(self._record(active, [token], update.finish_reason, final=done))
-            if done:
-                finished.append(active)
+            if chunk.samples:
+                active, branch = self.branch_of[chunk.seq.seq_id]
+                params = active.record.params
+                fan_out = params.n if branch.stop.num_generated == 0 and branch.index == 0 else 1
+                for k in range(branch.index, branch.index + fan_out):
+                    rows.append(i)
+                    owners.append((active, k))
+                    states.append(RowState(params, k, branch.stop.num_generated))
+        tokens = sample(logits[rows], states).token_ids.tolist() if rows else []
+        own = {
+            i: t
+            for i, (a, k), t in zip(rows, owners, tokens, strict=True)
+            if k == self.branch_of[chunks[i].seq.seq_id][1].index
+        }
+        for i, chunk in enumerate(chunks):
+            self.scheduler.computed(chunk, own.get(i))
+        records, finished = [], []
+        for (active, k), token in zip(owners, tokens, strict=True):
+            if k == len(active.branches):  # a new branch, forked from the first
+                parent = active.branches[0].seq.seq_id
+                child = self.scheduler.fork(parent, f"{parent}#{k}", token)
+                self.forks.setdefault(parent, []).append(child.seq_id)
+                self._add_branch(active, child)
+                active.live += 1
+            branch = active.branches[k]
+            update = branch.stop.append(token)
+            if update.finish_reason is not None:
+                active.live -= 1
+                finished.append(branch)
+            records.append(
+                self._record(active, k, [token], update.finish_reason, final=active.live == 0)
+            )
         return records, finished, {c.seq.seq_id for c in chunks}
 
     # ------------------------------------------------------------------ kvstore
-    def _kv_step(self, finished: list[Active], computed: set[str]) -> None:
-        """Frees the finished, reports the progress of every running sequence ``computed`` this
-        step or holding unreported tokens (decodes as one columnar TokenBatch), resumes and
-        admits what the scheduler places."""
-        frees = [active.seq.seq_id for active in finished]
-        for active in finished:
-            self.scheduler.finish(active.seq.seq_id)
-            del self.active[active.seq.seq_id]
+    def _kv_step(self, finished: list[Branch], computed: set[str]) -> list[Active]:
+        """Frees the finished branches, forks new ones, reports the progress of every running
+        sequence ``computed`` this step or holding unreported tokens (decodes as one columnar
+        TokenBatch), resumes and admits what the scheduler places. Returns the requests that
+        are done (every branch finished)."""
+        frees = [branch.seq.seq_id for branch in finished]
+        done = []
+        for branch in finished:
+            active, _ = self.branch_of.pop(branch.seq.seq_id)
+            self.scheduler.finish(branch.seq.seq_id)
+            if active.live == 0 and self.active.pop(active.record.req_id, None) is not None:
+                done.append(active)  # once, though several branches may end in one step
+        forks = [p.ForkItem(parent, children) for parent, children in self.forks.items()]
+        self.forks = {}
         decodes, appends = [], []
         for seq in self.scheduler.running():
             if len(seq.unreported) == 1 and seq.num_computed == seq.num_reported:
@@ -167,6 +216,7 @@ class Engine:
             p.Step(
                 self.worker_id,
                 frees=frees,
+                forks=forks,
                 appends=appends,
                 tokens=tokens,
                 resumes=[s.seq_id for s in to_place if s.status is SeqStatus.PREEMPTED],
@@ -178,12 +228,17 @@ class Engine:
             )
         )
         self._apply(reply, reporting)
+        return done
 
     def _apply(self, reply: p.StepReply, reporting: list[str]) -> None:
         """Takes in a step reply; while a running sequence got no block for its new tokens,
         preempts the latest arrival and retries (one more round trip each)."""
         while True:
             refused = {e.req_id for e in reply.errors if e.op == "append"}
+            for placed in reply.forked:  # before the same reply's copy-on-write changes
+                assert self.scheduler.seqs[placed.req_id].block_ids[: len(placed.block_ids)] == (
+                    placed.block_ids
+                ), f"{placed.req_id}: the fork's table differs from the kvstore's"
             for seq_id in reporting:  # accepted, whether or not its table changed
                 if seq_id not in refused:
                     self.scheduler.reported(seq_id)
@@ -232,28 +287,31 @@ class Engine:
 
     # ------------------------------------------------------------------ outputs
     def _record(
-        self, active: Active, tokens: list[int], reason: str | None, final: bool
+        self, active: Active, index: int, tokens: list[int], reason: str | None, final: bool
     ) -> queue.OutputRecord:
         return queue.OutputRecord(
             active.record.req_id,
-            0,
+            index,
             tokens,
             None,
             reason,  # type: ignore[arg-type]
-            prompt_tokens=active.seq.num_prompt,
+            prompt_tokens=len(active.record.prompt_token_ids),
             cached_tokens=active.cached_tokens,
             final=final,
         )
 
     def _end(self, active: Active, reason: str) -> None:
-        """Ends a request early (client abort): frees its blocks, publishes a final record and
+        """Ends a request early (client abort): frees its sequences, publishes a final record,
         acks it."""
-        seq = active.seq
-        if seq.status is not SeqStatus.WAITING:  # the kvstore holds it
-            self._call(p.Step(self.worker_id, frees=[seq.seq_id]))
-        self.scheduler.finish(seq.seq_id)
-        del self.active[seq.seq_id]
-        queue.step(self.redis, [self._record(active, [], reason, final=True)], [active.entry_id])
+        held = [b.seq.seq_id for b in active.branches if b.seq.status is not SeqStatus.WAITING]
+        if held:
+            self._call(p.Step(self.worker_id, frees=held))
+        for branch in active.branches:
+            if self.branch_of.pop(branch.seq.seq_id, None) is not None:
+                self.scheduler.finish(branch.seq.seq_id)
+        del self.active[active.record.req_id]
+        record = self._record(active, 0, [], reason, final=True)
+        queue.step(self.redis, [record], [active.entry_id])
 
     def run_forever(self, signals: list[int]) -> None:
         """Steps until a signal arrives (``signals`` grows, in a signal handler); when idle, each

@@ -172,6 +172,30 @@ class Scheduler:
         if new_token is not None:
             seq.token_ids.append(new_token)
 
+    def fork(self, parent_id: str, child_id: str, first_token: int) -> Sequence:
+        """A sibling of ``parent_id`` (n > 1), mirroring the kvstore's fork in the same step: it
+        shares the parent's blocks and reported tokens, then has its own ``first_token``
+        (unreported: the step's append brings the copy-on-write of the shared last block).
+        Call right after the parent's ``computed``, before its sampled token is reported."""
+        parent = self.seqs[parent_id]
+        if child_id in self.seqs:
+            raise ValueError(f"sequence {child_id!r} already exists")
+        assert (
+            parent.status is SeqStatus.RUNNING and parent.num_reported == len(parent.token_ids) - 1
+        ), f"{parent_id}: fork right after sampling its first token"
+        child = Sequence(
+            child_id,
+            parent.arrival,
+            [*parent.token_ids[: parent.num_reported], first_token],
+            parent.num_prompt,
+            SeqStatus.RUNNING,
+            parent.num_computed,
+            parent.num_reported,
+            list(parent.block_ids),
+        )
+        self.seqs[child_id] = child
+        return child
+
     def preempted(self, seq_id: str) -> None:
         """The kvstore took the blocks back (swap or recompute); the KV must be placed again.
         Unreported tokens stay: after the resume, the next append reports them."""

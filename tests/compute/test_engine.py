@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from typing import NamedTuple
 
 import pytest
 import redis
@@ -30,6 +31,15 @@ def tiny() -> tuple[object, object, object]:
     return model, tokenizer, reference_model(model)
 
 
+class Served(NamedTuple):
+    outputs: dict[str, list[int]]  # tokens of each request's first sequence
+    stats: p.Stats  # the kvstore's, at the end
+    cached: dict[str, int]  # cached tokens each request reported
+    steps: int
+    max_used: int  # most GPU blocks in use after any step
+    streamed: dict[str, queue.Streamed]  # every sequence of every request
+
+
 def submit(redis_url: str, records: list[queue.RequestRecord]) -> None:
     async def go() -> None:
         client = redis.asyncio.Redis.from_url(redis_url)
@@ -48,9 +58,8 @@ def run_engine(
     tiny: tuple,
     max_num_seqs: int = 8,
     params: dict[str, queue.SamplingParams] | None = None,
-) -> tuple[dict[str, list[int]], p.Stats, dict[str, int], int]:
-    """Serves ``prompts`` greedily to the end; returns tokens per request, the kvstore's stats,
-    the cached tokens each request reported and the number of engine steps."""
+) -> Served:
+    """Serves ``prompts`` to the end (greedy unless ``params`` says otherwise)."""
     model, tokenizer, _ = tiny
     process, endpoint = start_kvstore("--model", "tiny", "--dtype", "float32", *flags)
     try:
@@ -71,12 +80,14 @@ def run_engine(
                 "w-test", model, tokenizer, kv, r, SchedulerConfig(max_num_seqs, 64), PROFILE
             )
             deadline = time.monotonic() + 120
-            steps = 0
+            steps = max_used = 0
             while time.monotonic() < deadline:
                 engine.step(block_ms=50)
                 steps += 1
                 # The kvstore holds exactly the tokens the worker reported, no more, no fewer.
-                rows = {row.req_id: row for row in kv.call(p.GetStats(0)).requests}
+                live = kv.call(p.GetStats(0))
+                max_used = max(max_used, live.gpu.used)
+                rows = {row.req_id: row for row in live.requests}
                 for seq in engine.scheduler.running():
                     assert rows[seq.seq_id].tokens == seq.num_reported, seq.seq_id
                 streamed = {rid: queue.read_streamed(r, rid) for rid in prompts}
@@ -88,7 +99,7 @@ def run_engine(
         for rid in prompts:
             entries = r.xrange(queue.output_key(rid))
             cached[rid] = queue.decode_output(entries[-1][1][b"rec"]).cached_tokens
-        return outputs, stats, cached, steps
+        return Served(outputs, stats, cached, steps, max_used, streamed)
     finally:
         stop_process(process)
 
@@ -105,7 +116,9 @@ def prompts_of(
 
 def test_greedy_through_kvstore_and_redis_equals_generate(redis_url: str, tiny: tuple) -> None:
     prompts = prompts_of([5, 17, 33, 40, 64, 3], seed=1)
-    outputs, stats, _, steps = run_engine(redis_url, ["--kv-memory", "0.01GiB"], prompts, 12, tiny)
+    outputs, stats, _, steps, _, _ = run_engine(
+        redis_url, ["--kv-memory", "0.01GiB"], prompts, 12, tiny
+    )
     for rid, prompt in prompts.items():
         assert outputs[rid] == generate_greedy(tiny[2], prompt, 12), rid
     # 162 prompt tokens at 64 per step (3 steps), then one decode per request per step: the
@@ -119,7 +132,7 @@ def test_prefix_hit_reports_cached_tokens_and_same_output(redis_url: str, tiny: 
     prompts = prompts_of([4, 9], seed=2, shared=shared)
     # One sequence at a time: req1 is admitted after req0 computed (and freed) the prefix.
     flags = ["--kv-memory", "0.01GiB"]
-    outputs, stats, cached, _ = run_engine(redis_url, flags, prompts, 6, tiny, max_num_seqs=1)
+    outputs, stats, cached, *_ = run_engine(redis_url, flags, prompts, 6, tiny, max_num_seqs=1)
     assert cached == {"req0": 0, "req1": 48}
     assert stats.prefix_hit_tokens == 48
     for rid, prompt in prompts.items():
@@ -142,7 +155,7 @@ def test_memory_pressure_swaps_and_recomputes_with_identical_output(
         "--admission-watermark",
         "0",
     ]
-    outputs, stats, _, _ = run_engine(redis_url, flags, prompts, 40, tiny)
+    outputs, stats, *_ = run_engine(redis_url, flags, prompts, 40, tiny)
     for rid, prompt in prompts.items():
         assert outputs[rid] == generate_greedy(tiny[2], prompt, 40), rid
     assert stats.preemptions["swap"] > 0 and stats.preemptions["recompute"] > 0, stats.preemptions
@@ -168,3 +181,19 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(redis_url: str, tiny
     other = queue.SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=99)
     different, *_ = run_engine(redis_url, flags, {"s": prompt}, 10, tiny, params={"s": other})
     assert different["s"] != alone["s"]  # the seed matters
+
+
+def test_n4_forks_the_prompt_blocks_and_reproduces_with_a_seed(redis_url: str, tiny: tuple) -> None:
+    """n = 4: the prompt's blocks are shared through kvstore fork (the 3-block prompt of 40
+    tokens takes 2 shared full blocks + 4 private last blocks = 6, not 12), every sequence
+    streams under its own index, and the seed reproduces all four."""
+    prompt = prompts_of([40], seed=8)["req0"]
+    params = queue.SamplingParams(max_tokens=8, temperature=0.9, seed=7, n=4, ignore_eos=True)
+    flags = ["--kv-memory", "0.01GiB"]
+    first = run_engine(redis_url, flags, {"n4": prompt}, 8, tiny, params={"n4": params})
+    again = run_engine(redis_url, flags, {"n4": prompt}, 8, tiny, params={"n4": params})
+    outputs = {i: s.token_ids for i, s in first.streamed["n4"].sequences.items()}
+    assert sorted(outputs) == [0, 1, 2, 3] and all(len(t) == 8 for t in outputs.values())
+    assert len({tuple(t) for t in outputs.values()}) > 1  # the four draws differ
+    assert {i: s.token_ids for i, s in again.streamed["n4"].sequences.items()} == outputs
+    assert first.max_used == 6 and first.stats.gpu.used == 0

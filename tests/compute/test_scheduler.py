@@ -137,3 +137,17 @@ def test_every_sequence_finishes_under_memory_pressure(
     assert sorted(done) == sorted(f"r{i}" for i in range(len(prompts)))
     for i, n in enumerate(prompts):
         assert done[f"r{i}"] == [i * 100 + t for t in range(n)] + [7] * outputs
+
+
+def test_fork_shares_reported_tokens_and_blocks() -> None:
+    s = scheduler()
+    s.add("p", list(range(6)))
+    s.placed("p", [3, 4], 0, 6)
+    [chunk] = s.schedule()
+    s.computed(chunk, new_token=50)
+    child = s.fork("p", "p#1", 51)
+    assert child.token_ids == [0, 1, 2, 3, 4, 5, 51] and child.unreported == [51]
+    assert (child.block_ids, child.num_computed, child.status) == ([3, 4], 6, SeqStatus.RUNNING)
+    assert child.block_ids is not s.seqs["p"].block_ids
+    with pytest.raises(ValueError, match="already exists"):
+        s.fork("p", "p#1", 52)
