@@ -11,9 +11,15 @@ One step (single-threaded):
    retry, one more round trip each;
 5. one Redis round trip: publish the deltas, ack finished requests, check for aborts.
 
+``n > 1``: a request's first sampling row draws n tokens (one seeded stream per branch); the
+branches beyond the first are forked from it at the kvstore in the same step (the prompt's blocks
+shared, the last one copied on write) and stream under their own index.
+
 The worker holds nothing that cannot be rebuilt: request state is in Redis (the request entry,
-its output stream) and the KV blocks are the kvstore's. Not yet here: n > 1 (fork), beam
-search, adopting the requests of a dead worker (``claim_stale`` + ``adopt``).
+its output stream) and the KV blocks are the kvstore's. Not yet here: beam search (the
+bookkeeping is in ``compute.sampling.BeamSearch``), adopting the requests of a dead worker
+(``queue.claim_stale`` + the kvstore's ``adopt``), lease renewal of pending entries
+(``queue.touch``), CUDA graphs.
 """
 
 from __future__ import annotations
