@@ -16,16 +16,19 @@ branches beyond the first are forked from it at the kvstore in the same step (th
 shared, the last one copied on write) and stream under their own index.
 
 The worker holds nothing that cannot be rebuilt: request state is in Redis (the request entry,
-its output stream) and the KV blocks are the kvstore's. Not yet here: beam search (the
-bookkeeping is in ``compute.sampling.BeamSearch``), adopting the requests of a dead worker
-(``queue.claim_stale`` + the kvstore's ``adopt``), lease renewal of pending entries
-(``queue.touch``), CUDA graphs.
+its output stream) and the KV blocks are the kvstore's. A live worker renews its claim on its
+requests (``queue.touch``); the requests of a dead one are taken over (``queue.claim_stale``),
+rebuilt from the tokens already streamed and ``adopt``ed at the kvstore, which keeps their
+blocks for a grace period, so nothing is prefilled again (if the blocks are gone, it recomputes).
+Not yet here: beam search (the bookkeeping is in ``compute.sampling.BeamSearch``), taking over
+n > 1 requests (they fail with an error record), CUDA graphs.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 
 import redis
@@ -60,6 +63,7 @@ class Active:
     branches: list[Branch]
     live: int = 1  # branches not finished
     cached_tokens: int = 0
+    adopt: bool = False  # taken over from a dead worker: adopt its kvstore request first
 
 
 class Engine:
@@ -72,7 +76,10 @@ class Engine:
         r: redis.Redis,
         config: SchedulerConfig,
         prefill_profile: list[tuple[int, float]],
+        claim_idle_ms: int = queue.CLAIM_IDLE_MS,
     ) -> None:
+        """``claim_idle_ms``: a pending request untouched this long belongs to a dead worker and
+        this one takes it over (live workers renew theirs every ``claim_idle_ms / 4``)."""
         self.worker_id = worker_id
         self.tokenizer = tokenizer
         self.kv = kv
@@ -92,6 +99,9 @@ class Engine:
         self.forks: dict[str, list[str]] = {}  # parent -> children, for this step's kvstore call
         self.copies: list[tuple[int, int]] = []
         self.accepting = True  # takes new requests from Redis
+        self.claim_idle_ms = claim_idle_ms
+        self.tokens_computed = 0  # tokens run through the model (prefill + decode), a counter
+        self._next_lease_check = 0.0
         eos = model.generation_config.eos_token_id
         self.eos_ids = {eos} if isinstance(eos, int) else set(eos or [])
         queue.ensure_group(r)
@@ -115,6 +125,14 @@ class Engine:
 
     def _take_requests(self, block_ms: int | None) -> None:
         room = self.scheduler.config.max_num_seqs - len(self.active)
+        if time.monotonic() >= self._next_lease_check:
+            self._next_lease_check = time.monotonic() + self.claim_idle_ms / 4000
+            self._renew_leases()
+            if room > 0 and self.accepting:
+                for entry_id, record in queue.claim_stale(
+                    self.redis, self.worker_id, self.claim_idle_ms, room
+                ):
+                    room -= self._take_over(entry_id, record)
         if room <= 0 or not self.accepting:
             return
         for entry_id, record in queue.read_requests(self.redis, self.worker_id, room, block_ms):
@@ -122,6 +140,42 @@ class Engine:
             active = Active(entry_id, record, [])
             self.active[record.req_id] = active
             self._add_branch(active, seq)
+
+    def _renew_leases(self) -> None:
+        """Keeps other workers from taking over this one's requests (``queue.touch``)."""
+        entries = {a.entry_id: req_id for req_id, a in self.active.items()}
+        lost = set(entries) - set(queue.touch(self.redis, self.worker_id, list(entries)))
+        for entry_id in lost:  # another worker serves it now
+            log.warning("request %s was taken over by another worker", entries[entry_id])
+
+    def _take_over(self, entry_id: str, record: queue.RequestRecord) -> int:
+        """A dead worker's request: continue it from the tokens it already streamed, on the
+        kvstore's blocks if they are still there (``adopt``). Returns 1 if it became active."""
+        streamed = queue.read_streamed(self.redis, record.req_id)
+        if streamed.final:  # it finished; only the ack was lost
+            queue.ack(self.redis, [entry_id])
+            return 0
+        generated = streamed.sequences[0].token_ids if 0 in streamed.sequences else []
+        if record.params.n > 1 and streamed.sequences:
+            error = queue.OutputRecord(
+                record.req_id,
+                0,
+                [],
+                None,
+                "error",
+                "its worker died; n > 1 requests cannot resume yet",
+                final=True,
+            )
+            queue.step(self.redis, [error], [entry_id])
+            return 0
+        log.info("taking over %s after %d streamed tokens", record.req_id, len(generated))
+        seq = self.scheduler.add(record.req_id, record.prompt_token_ids, generated)
+        active = Active(entry_id, record, [], adopt=True)
+        self.active[record.req_id] = active
+        branch = self._add_branch(active, seq)
+        for token in generated:  # the stop checker and the seeded stream continue from here
+            branch.stop.append(token)
+        return 1
 
     def _add_branch(self, active: Active, seq: Sequence) -> Branch:
         record = active.record
@@ -147,6 +201,7 @@ class Engine:
             for c in chunks
         ]
         logits = self.runner.forward(batch)  # [chunks, vocab]
+        self.tokens_computed += sum(c.num_tokens for c in chunks)
         # Sampling rows: one per sampling chunk, n for a request's first token (its n branches).
         rows: list[int] = []
         owners: list[tuple[Active, int]] = []
@@ -226,15 +281,15 @@ class Engine:
                 appends=appends,
                 tokens=tokens,
                 resumes=[s.seq_id for s in to_place if s.status is SeqStatus.PREEMPTED],
-                admits=[
-                    p.AdmitItem(s.seq_id, s.token_ids, self.active[s.seq_id].record.salt)
-                    for s in to_place
-                    if s.status is SeqStatus.WAITING
-                ],
+                admits=[self._admit_item(s) for s in to_place if s.status is SeqStatus.WAITING],
             )
         )
         self._apply(reply, reporting)
         return done
+
+    def _admit_item(self, seq: Sequence) -> p.AdmitItem:
+        active = self.active[seq.seq_id]
+        return p.AdmitItem(seq.seq_id, seq.token_ids, active.record.salt, adopt=active.adopt)
 
     def _apply(self, reply: p.StepReply, reporting: list[str]) -> None:
         """Takes in a step reply; while a running sequence got no block for its new tokens,
@@ -252,19 +307,24 @@ class Engine:
                 self.copies += self.scheduler.grown(grown.req_id, grown.new_block_ids, grown.copies)
             for req_id, _mode in reply.preempted:
                 self.scheduler.preempted(req_id)
-            for placed in reply.admitted:  # the kvstore knows the prompt
+            for placed in reply.admitted:  # the kvstore knows every token we sent
                 seq = self.scheduler.seqs[placed.req_id]
                 self.scheduler.placed(
                     seq.seq_id, placed.block_ids, placed.num_computed, len(seq.token_ids)
                 )
                 self.active[seq.seq_id].cached_tokens = placed.num_cached_tokens
+                self.active[seq.seq_id].adopt = False
             for placed in reply.resumed:  # the kvstore knows what it held when preempted
                 seq = self.scheduler.seqs[placed.req_id]
                 self.scheduler.placed(
                     seq.seq_id, placed.block_ids, placed.num_computed, seq.num_reported
                 )
             for error in reply.errors:
-                if error.code != "no_space":
+                if error.op == "admit" and error.code == "unknown_request":
+                    self.active[error.req_id].adopt = False  # its blocks are gone: recompute
+                elif error.op == "admit" and error.code == "conflict":
+                    pass  # the kvstore's lease on the dead worker has not run out: retry
+                elif error.code != "no_space":
                     raise RuntimeError(f"kvstore refused {error.op} of {error.req_id}: {error}")
             starved = [
                 e.req_id

@@ -81,13 +81,14 @@ class Scheduler:
         self._arrivals = 0
 
     # ------------------------------------------------------------------ bookkeeping
-    def add(self, seq_id: str, prompt: list[int]) -> Sequence:
-        """A new sequence waits to be admitted."""
+    def add(self, seq_id: str, prompt: list[int], generated: list[int] = ()) -> Sequence:  # type: ignore[assignment]
+        """A new sequence waits to be admitted (``generated``: tokens it already produced, when
+        a worker takes over the request of a dead one)."""
         if seq_id in self.seqs:
             raise ValueError(f"sequence {seq_id!r} already exists")
         if not prompt:
             raise ValueError("a sequence needs at least one prompt token")
-        seq = Sequence(seq_id, self._arrivals, list(prompt), len(prompt))
+        seq = Sequence(seq_id, self._arrivals, [*prompt, *generated], len(prompt))
         self._arrivals += 1
         self.seqs[seq_id] = seq
         return seq

@@ -197,3 +197,50 @@ def test_n4_forks_the_prompt_blocks_and_reproduces_with_a_seed(redis_url: str, t
     assert len({tuple(t) for t in outputs.values()}) > 1  # the four draws differ
     assert {i: s.token_ids for i, s in again.streamed["n4"].sequences.items()} == outputs
     assert first.max_used == 6 and first.stats.gpu.used == 0
+
+
+def test_a_dead_workers_request_is_finished_by_another_without_prefilling_again(
+    redis_url: str, tiny: tuple
+) -> None:
+    """Worker w1 streams part of a request and dies (it stops: no step, no heartbeat, no ack,
+    exactly what the kvstore and Redis see of a SIGKILL). Worker w2 takes the request over,
+    adopts the kvstore's blocks and finishes it: the output equals an uninterrupted run and w2
+    computes only the tokens after the last one w1 reported, not the 96-token prompt."""
+    model, tokenizer, ref = tiny
+    prompt = prompts_of([96], seed=9)["req0"]
+    process, endpoint = start_kvstore(
+        "--model",
+        "tiny",
+        "--dtype",
+        "float32",
+        "--kv-memory",
+        "0.01GiB",
+        "--lease-timeout-s",
+        "0.5",
+    )
+    try:
+        r = redis.Redis.from_url(redis_url)
+        r.flushdb()
+        params = queue.SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+        submit(redis_url, [queue.RequestRecord("crash", prompt, params, "tiny", time.time())])
+        config = SchedulerConfig(8, 64)
+        with KVClient(endpoint) as kv1, KVClient(endpoint) as kv2:
+            w1 = Engine("w1", model, tokenizer, kv1, r, config, PROFILE, claim_idle_ms=1000)
+            while len(queue.read_streamed(r, "crash").sequences.get(0, EMPTY).token_ids) < 8:
+                w1.step(block_ms=50)
+            del w1  # dies mid-generation
+            w2 = Engine("w2", model, tokenizer, kv2, r, config, PROFILE, claim_idle_ms=1000)
+            deadline = time.monotonic() + 60
+            while not queue.read_streamed(r, "crash").final:
+                assert time.monotonic() < deadline, "w2 never finished the request"
+                w2.step(block_ms=50)
+            stats = kv2.call(p.GetStats())
+        tokens = queue.read_streamed(r, "crash").sequences[0].token_ids
+        assert tokens == generate_greedy(ref, prompt, 20)
+        assert w2.tokens_computed <= 20 - 8 + 1, w2.tokens_computed  # no prompt prefill
+        assert stats.gpu.used == 0 and not stats.requests
+    finally:
+        stop_process(process)
+
+
+EMPTY = queue.StreamedSequence([])
