@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import redis
 
 from compute.scheduler import SchedulerConfig
+from gateway import queue
 from kvstore.daemon import DEFAULT_ENDPOINT
 
 log = logging.getLogger("pagedserve.compute")
@@ -43,6 +44,13 @@ class ComputeConfig:
         default="redis://127.0.0.1:6379/0",
         metadata={"help": "Redis holding the request queue and output streams"},
     )
+    claim_idle_ms: int = field(
+        default=queue.CLAIM_IDLE_MS,
+        metadata={
+            "help": "a request whose worker has not renewed its claim this long is taken "
+            "over by another worker (live workers renew every quarter of it)"
+        },
+    )
     worker_id: str = field(
         default="",
         metadata={"help": "name in the kvstore and the Redis consumer group (default: host-pid)"},
@@ -71,9 +79,11 @@ def run(config: ComputeConfig, scheduling: SchedulerConfig) -> None:
     signal.signal(signal.SIGINT, lambda signum, _frame: signals.append(signum))
     signal.signal(signal.SIGTERM, lambda signum, _frame: signals.append(signum))
     with KVClient(config.kvstore) as kv:
-        engine = Engine(worker_id, model, tokenizer, kv, r, scheduling, profile)
+        engine = Engine(
+            worker_id, model, tokenizer, kv, r, scheduling, profile, config.claim_idle_ms
+        )
         log.info(
             "worker %s serving (redis %s, kvstore %s)", worker_id, config.redis_url, config.kvstore
         )
         engine.run_forever(signals)
-    log.info("worker %s stopped", worker_id)
+    log.info("worker %s stopped; computed %d tokens", worker_id, engine.tokens_computed)

@@ -96,7 +96,7 @@ def spawn_kvstore(
     endpoint: str, flags: list[str], timeout_s: float = 120.0, **popen: Any
 ) -> subprocess.Popen[bytes]:
     """Starts `pagedserve kvstore` as a child process and returns once it answers a ping."""
-    process = _spawn("kvstore", ["--endpoint", endpoint, *flags], **popen)
+    process = spawn_process("kvstore", ["--endpoint", endpoint, *flags], **popen)
     try:
         wait_for_kvstore(endpoint, process, timeout_s)
     except BaseException:
@@ -162,7 +162,7 @@ def run_up(config: UpConfig) -> None:
             *shlex.split(config.compute_args),
         ]
         for _ in range(config.workers):
-            workers.append(_spawn("compute", worker_flags, start_new_session=True))
+            workers.append(spawn_process("compute", worker_flags, start_new_session=True))
         wait_for_workers(
             config.endpoint, config.workers, kvstore + workers, config.startup_timeout_s
         )
@@ -201,7 +201,7 @@ def _stop_group(processes: list[subprocess.Popen[bytes]], timeout_s: float = 120
                 process.kill()
 
 
-def _spawn(command: str, flags: list[str], **popen: Any) -> subprocess.Popen[bytes]:
+def spawn_process(command: str, flags: list[str], **popen: Any) -> subprocess.Popen[bytes]:
     """`pagedserve <command> <flags>` as a child process, this checkout on its PYTHONPATH."""
     root = str(Path(__file__).resolve().parent.parent)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}

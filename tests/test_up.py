@@ -17,12 +17,13 @@ import redis.asyncio
 from gateway import queue
 from kvstore import protocol as p
 from kvstore.client import KVClient
+from pagedserve.cli import spawn_process
 from tests.conftest import ROOT
 
 
-def submit(redis_url: str, req_id: str, max_tokens: int) -> None:
+def submit(redis_url: str, req_id: str, max_tokens: int, prompt: list[int] | None = None) -> None:
     params = queue.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    record = queue.RequestRecord(req_id, [256, 72, 105], params, "tiny", time.time())
+    record = queue.RequestRecord(req_id, prompt or [256, 72, 105], params, "tiny", time.time())
 
     async def go() -> None:
         client = redis.asyncio.Redis.from_url(redis_url)
@@ -102,3 +103,70 @@ def test_up_serves_and_stops_on_ctrl_c() -> None:
         raise AssertionError("the embedded Redis is still running")
     except redis.ConnectionError:
         pass
+
+
+def test_sigkill_a_worker_mid_generation_another_finishes_without_prefilling_again(
+    redis_url: str,
+) -> None:
+    """Two real worker processes: A serves a request and is SIGKILLed mid-generation; B takes
+    the request over from Redis, adopts the kvstore's blocks and finishes it. The output equals
+    an uninterrupted run, and B computed only the tokens after A's last report, not the prompt."""
+    from compute.models import load_model
+    from tests.compute.driver import generate_greedy, reference_model
+    from tests.conftest import start_kvstore, stop_process
+
+    prompt = [(7 * i) % 256 for i in range(120)]
+    kvstore, endpoint = start_kvstore(
+        "--model", "tiny", "--lease-timeout-s", "1", "--kv-memory", "0.01GiB"
+    )
+    flags = [
+        "--model",
+        "tiny",
+        "--device",
+        "cpu",
+        "--kvstore",
+        endpoint,
+        "--redis-url",
+        redis_url,
+        "--claim-idle-ms",
+        "1500",
+    ]
+    r = redis.Redis.from_url(redis_url)
+    r.flushdb()
+    worker_a = spawn_process("compute", [*flags, "--worker-id", "A"])
+    worker_b = None
+    try:
+        submit(redis_url, "kill-1", max_tokens=120, prompt=prompt)
+        deadline = time.monotonic() + 90
+        while len(queue.read_streamed(r, "kill-1").sequences.get(0, NONE).token_ids) < 10:
+            assert time.monotonic() < deadline and worker_a.poll() is None, "A never streamed"
+            time.sleep(0.05)
+        worker_a.send_signal(signal.SIGKILL)
+        worker_a.wait(10)
+        streamed_by_a = len(queue.read_streamed(r, "kill-1").sequences[0].token_ids)
+        assert streamed_by_a < 120, "A finished before it was killed: nothing to take over"
+        worker_b = spawn_process(
+            "compute",
+            [*flags, "--worker-id", "B"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        output = wait_final(r, "kill-1", timeout_s=120)
+    finally:
+        for worker in (worker_a, worker_b):
+            if worker is not None and worker.poll() is None:
+                worker.send_signal(signal.SIGINT)
+                worker.wait(60)
+        stop_process(kvstore)
+    model, _ = load_model("tiny", "float32", "cpu")
+    assert output.sequences[0].token_ids == generate_greedy(reference_model(model), prompt, 120)
+    log_b = worker_b.stdout.read()  # type: ignore[union-attr]
+    assert "taking over kill-1" in log_b, log_b
+    computed = int(re.search(r"computed (\d+) tokens", log_b).group(1))  # type: ignore[union-attr]
+    # B computes the tokens A had not reported (at most a step's worth) and the rest: never
+    # the 120-token prompt.
+    assert computed <= 120 - streamed_by_a + 2, (computed, streamed_by_a)
+
+
+NONE = queue.StreamedSequence([])
