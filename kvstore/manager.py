@@ -84,10 +84,19 @@ class KVCacheManager:
             raise KVError(
                 "bad_argument", f"tokens of {req_id!r} share no prefix with the kvstore's"
             )
+        last_block = request.block_ids[(common - 1) // self.block_size] if request.block_ids else 0
+        reopens_in_a_fresh_block = (
+            request.status is Status.RUNNING
+            and min(request.num_computed, common) == common
+            and self._must_copy(last_block)
+        )
+        if reopens_in_a_fresh_block and self.pool.num_available < 1:  # check before changing
+            raise KVError("no_space", f"no block to reopen the last token of {req_id!r}")
         request.worker, request.orphaned_at = worker, None
         self._truncate(request, common)
         if request.status is not Status.RUNNING:
             return self._resume_one(request)
+        self._reopen_last_token(request)
         placement = Placement(
             req_id, list(request.block_ids), request.num_computed, request.num_cached_tokens
         )
@@ -292,6 +301,7 @@ class KVCacheManager:
         self.swap.release(request.cpu_block_ids)
         request.cpu_block_ids = []
         request.num_computed = max(num_computed, placement.num_computed)
+        self._reopen_last_token(request)
         self._register_computed(request)
         placement = Placement(
             request.req_id,
@@ -394,6 +404,28 @@ class KVCacheManager:
         request.num_registered = max(
             request.num_registered, request.num_computed // self.block_size
         )
+
+    def _reopen_last_token(self, request: Request) -> None:
+        """A placed request's last token is never counted as computed: the worker needs its
+        logits to sample, so it runs it again. Its slot must then be writable: if the block is
+        shared or registered in the prefix index, the request gets a fresh block and recomputes
+        that block (at most ``block_size`` tokens). Raises no_space, changing nothing, if no
+        block is left for that."""
+        last = len(request.token_ids) - 1
+        if request.num_computed <= last:
+            return
+        position = last // self.block_size
+        block = request.block_ids[position]
+        request.num_registered = min(request.num_registered, position)  # it is written again
+        if not self._must_copy(block):
+            request.num_computed = last
+            return
+        if self.pool.num_available < 1:
+            raise KVError("no_space", f"no block to reopen the last token of {request.req_id!r}")
+        [fresh] = self._allocate(1)
+        self.pool.release([block])
+        request.block_ids[position] = fresh
+        request.num_computed = position * self.block_size
 
     def _truncate(self, request: Request, length: int) -> None:
         """Forgets tokens past ``length`` and the blocks no longer needed."""

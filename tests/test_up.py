@@ -164,9 +164,10 @@ def test_sigkill_a_worker_mid_generation_another_finishes_without_prefilling_aga
     log_b = worker_b.stdout.read()  # type: ignore[union-attr]
     assert "taking over kill-1" in log_b, log_b
     computed = int(re.search(r"computed (\d+) tokens", log_b).group(1))  # type: ignore[union-attr]
-    # B computes the tokens A had not reported (at most a step's worth) and the rest: never
-    # the 120-token prompt.
-    assert computed <= 120 - streamed_by_a + 2, (computed, streamed_by_a)
+    # B computes the rest of the output plus at most the last block again (the last token is
+    # always recomputed for its logits, its whole block if that block was full and cached):
+    # never the 120-token prompt.
+    assert computed <= 120 - streamed_by_a + 16, (computed, streamed_by_a)
 
 
 NONE = queue.StreamedSequence([])

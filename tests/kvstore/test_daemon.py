@@ -147,7 +147,8 @@ def test_dead_worker_requests_are_kept_for_grace_then_reclaimed(client: KVClient
     reply = client.call(
         p.Step("w-heir", admits=[p.AdmitItem("d1", list(range(3000, 3050)), adopt=True)])
     )
-    assert reply.admitted[0].num_computed == 50 and not reply.errors
+    # all 50 were computed, but the last one is always recomputed: its logits are needed
+    assert reply.admitted[0].num_computed == 49 and not reply.errors
     client.call(p.Step("w-heir", admits=[p.AdmitItem("d2", list(range(4000, 4020)))]))
     # w-heir goes silent too: after lease (1 s) + grace (1 s) both requests are reclaimed.
     deadline = time.monotonic() + 10

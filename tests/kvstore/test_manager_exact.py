@@ -296,3 +296,29 @@ def test_step_order_running_requests_grow_before_admissions() -> None:
     )
     assert [g.req_id for g in reply.appended] == ["a"]
     assert [(e.req_id, e.code) for e in reply.errors] == [("b", "no_space")]
+
+
+def test_a_placed_request_always_recomputes_its_last_token() -> None:
+    """The worker needs the last token's logits: adopt/resume never count it as computed."""
+    m = manager(20, 8)
+    m.calibration = SwapCalibration(1024, LinearCost(0.0, 1e-9), LinearCost(0.0, 1e-9))
+    m.admit("a", "w1", list(range(40)), None)
+    m.append("a", "w1", [], 40)  # everything computed, the last block private (8 of 16 tokens)
+    m.orphan_worker("w1", now=1.0)
+    placement, _ = m.adopt("a", "w2", list(range(40)))
+    assert placement.num_computed == 39 and placement.block_ids == m.requests["a"].block_ids
+    # 48 tokens: the last block is full, computed and registered; rewriting it in place would
+    # touch a cached block, so the request gets a fresh one and recomputes that block.
+    m.admit("b", "w1", list(range(100, 148)), None)
+    m.append("b", "w1", [], 48)
+    old_last = m.requests["b"].block_ids[2]
+    assert m.pool.cached[old_last]
+    m.orphan_worker("w1", now=2.0)
+    placement, _ = m.adopt("b", "w2", list(range(100, 148)))
+    assert placement.num_computed == 32 and placement.block_ids[2] != old_last
+    assert m.pool.cached[old_last] and m.pool.ref_counts[old_last] == 0  # still a cache entry
+    # Resume after a swap of a fully computed request: the same rule.
+    m.preempt(["a"], "w2", now=3.0)
+    placement, plan = m.resume("a", "w2")
+    assert placement.num_computed == 39 and plan.swap_in
+    m.check_integrity()
