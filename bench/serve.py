@@ -2,42 +2,40 @@
 
 A Llama-3.2-1B-shaped random-weight bf16 model serves 128 requests (prompts uniform 64-1024
 tokens, outputs uniform 32-512, ignore_eos, seed 0): all submitted at once to Redis, served by
-the engine until every output stream is final. Baseline in the same run: transformers `generate`
-with static batches of 32 (left padding, each batch runs to its longest output; only the
-requested tokens count).
+the engine until every output stream is final. Baselines in the same run, each in its own
+process (nothing of ours imported, all GPU memory back between runs):
 
-    python bench/serve.py [--requests 128] [--max-num-seqs 128] [--skip-baseline]
+- transformers' continuous batching (``init_continuous_batching``, the manager behind
+  ``generate_batch``, with ``attn_implementation="paged|sdpa"``), each request with its own
+  ``max_new_tokens``;
+- transformers ``generate`` with static batches of 32 (left padding, each batch runs to its
+  longest output; only the requested tokens count).
+
+    python bench/serve.py [--requests 128] [--max-num-seqs 128] [--skip-baselines]
+    python bench/serve.py --mode ours|hf-cb|hf-static [--cuda-graphs N]   (one run, JSON out)
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import json
 import random
+import subprocess
 import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
-import redis
-import redis.asyncio
-from transformers import AutoModelForCausalLM, LlamaConfig
-
-import compute.attention  # noqa: F401  (registers the "paged" attention function)
-from compute.engine import Engine
-from compute.models import byte_tokenizer
-from compute.profile import measure_prefill
-from compute.scheduler import SchedulerConfig
-from gateway import queue
-from kvstore import protocol as p
-from kvstore.client import KVClient
-from pagedserve.cli import spawn_kvstore
-from pagedserve.redis_server import EmbeddedRedis
+from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
 
 def llama_1b_config() -> LlamaConfig:
@@ -71,50 +69,43 @@ def build_model(config: LlamaConfig, attn: str) -> torch.nn.Module:
     return model.cuda().eval()
 
 
-def serve(
-    model: torch.nn.Module, model_dir: str, jobs: list[tuple[list[int], int]], seqs: int
-) -> dict:
+# ----------------------------------------------------------------------------- ours
+@contextlib.contextmanager
+def stack(model_dir: str, kv_memory: str = "40") -> Iterator[tuple[str, str]]:
+    """An embedded Redis and a kvstore daemon on CUDA; yields (kvstore endpoint, Redis URL)."""
+    from pagedserve.cli import spawn_kvstore
+    from pagedserve.redis_server import EmbeddedRedis
+
     server = EmbeddedRedis.start()
     endpoint = f"ipc:///tmp/pagedserve-bench-{uuid.uuid4().hex[:8]}.sock"
-    kvstore = spawn_kvstore(
-        endpoint,
-        [
-            "--model",
-            model_dir,
-            "--dtype",
-            "bfloat16",
-            "--device",
-            "cuda",
-            "--kv-memory",
-            "40",
-            "--log-level",
-            "WARNING",
-        ],
-        300,
-    )
+    flags = ["--model", model_dir, "--dtype", "bfloat16", "--device", "cuda"]
+    flags += ["--kv-memory", kv_memory, "--log-level", "WARNING"]
+    kvstore = spawn_kvstore(endpoint, flags, 300)
     try:
-        r = redis.Redis.from_url(server.url)
-        profile = measure_prefill(model, 16, (128, 1024), repeats=2)
-        with KVClient(endpoint) as kv:
-            engine = Engine(
-                "bench", model, byte_tokenizer(), kv, r, SchedulerConfig(seqs, 8192), profile
-            )
-            run(engine, r, server.url, jobs[:4], "warmup")  # compiles the kernels
-            kv.call(p.ResetCache())  # the timed run must not hit the warm-up's prompts
-            result = run(engine, r, server.url, jobs, "run")
-            result["stats"] = kv.call(p.GetStats(0))
-        return result
+        yield endpoint, server.url
     finally:
         kvstore.send_signal(2)
         kvstore.wait(60)
         server.stop()
 
 
-def run(engine: Engine, r: redis.Redis, url: str, jobs: list, tag: str) -> dict:
-    params = [queue.SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for _, m in jobs]
+def serve_jobs(engine, url: str, jobs: list, tag: str) -> dict:  # type: ignore[no-untyped-def]
+    """Submits ``jobs`` (prompt, max_tokens) greedy with ignore_eos and steps ``engine`` until
+    every output stream is final."""
+    import redis
+    import redis.asyncio
+
+    from gateway import queue
+
     records = [
-        queue.RequestRecord(f"{tag}-{i}", prompt, pp, "bench", time.time())
-        for i, ((prompt, _), pp) in enumerate(zip(jobs, params, strict=True))
+        queue.RequestRecord(
+            f"{tag}-{i}",
+            prompt,
+            queue.SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True),
+            "bench",
+            time.time(),
+        )
+        for i, (prompt, m) in enumerate(jobs)
     ]
 
     async def submit() -> None:
@@ -123,24 +114,100 @@ def run(engine: Engine, r: redis.Redis, url: str, jobs: list, tag: str) -> dict:
             await queue.submit(client, record)
         await client.aclose()
 
+    r = redis.Redis.from_url(url)
+    engine.phase_s.clear()
     start = time.perf_counter()
     asyncio.run(submit())
     steps = 0
     while True:
         engine.step()
         steps += 1
-        if not engine.active and steps % 8 == 0:
-            streamed = [queue.read_streamed(r, rec.req_id) for rec in records]
-            if all(s.final for s in streamed):
-                break
-    torch.cuda.synchronize()
+        # done: every request acked (acks delete the entry) after its final record was published
+        if not engine.active and r.xlen(queue.REQUEST_STREAM) == 0:
+            break
     seconds = time.perf_counter() - start
+    streamed = [queue.read_streamed(r, rec.req_id) for rec in records]
+    assert all(s.final for s in streamed), "a request was not finished"
     tokens = sum(len(s.sequences[0].token_ids) for s in streamed)
     assert tokens == sum(m for _, m in jobs), "lost tokens"
-    return {"seconds": seconds, "tokens": tokens, "steps": steps}
+    phases = {k: round(v, 3) for k, v in engine.phase_s.items()}
+    return {"seconds": seconds, "tokens": tokens, "steps": steps, "phases": phases}
 
 
-def static_baseline(model: torch.nn.Module, jobs: list, batch: int = 32) -> dict:
+def run_ours(jobs: list, seqs: int, cuda_graphs: int) -> dict:
+    import compute.attention  # noqa: F401  (registers the "paged" attention function)
+    from compute.engine import Engine
+    from compute.models import byte_tokenizer
+    from compute.profile import measure_prefill
+    from compute.scheduler import SchedulerConfig
+    from kvstore import protocol as p
+    from kvstore.client import KVClient
+
+    config = llama_1b_config()
+    with tempfile.TemporaryDirectory() as model_dir:
+        config.save_pretrained(model_dir)  # the kvstore reads the geometry from it
+        model = build_model(config, "paged")
+        with stack(model_dir) as (endpoint, url), KVClient(endpoint) as kv:
+            import redis
+
+            profile = measure_prefill(model, 16, (128, 1024), repeats=2)
+            started = time.perf_counter()
+            engine = Engine(
+                "bench",
+                model,
+                byte_tokenizer(),
+                kv,
+                redis.Redis.from_url(url),
+                SchedulerConfig(seqs, 8192),
+                profile,
+                cuda_graph_max_batch=cuda_graphs,
+            )
+            capture_s = time.perf_counter() - started
+            serve_jobs(engine, url, jobs[:4], "warmup")  # compiles the kernels
+            kv.call(p.ResetCache())  # the timed run must not hit the warm-up's prompts
+            result = serve_jobs(engine, url, jobs, "run")
+            stats = kv.call(p.GetStats(0))
+    result["preemptions"] = stats.preemptions
+    result["prefix_hit_tokens"] = stats.prefix_hit_tokens
+    result["startup_s"] = round(capture_s, 1)
+    return result
+
+
+# ----------------------------------------------------------------------------- baselines
+def run_hf_continuous(jobs: list) -> dict:
+    """transformers' continuous batching manager, one request per job with its own length."""
+    from transformers import GenerationConfig
+
+    model = build_model(llama_1b_config(), "paged|sdpa")
+    gen = GenerationConfig(max_new_tokens=512, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    manager = model.init_continuous_batching(generation_config=gen)
+    manager.start()
+    try:
+        warm = [manager.add_request(p, max_new_tokens=8) for p, _ in jobs[:4]]
+        _collect(manager, set(warm))
+        start = time.perf_counter()
+        ids = [manager.add_request(prompt, max_new_tokens=m) for prompt, m in jobs]
+        tokens = _collect(manager, set(ids))
+        seconds = time.perf_counter() - start
+    finally:
+        manager.stop(block=True, timeout=60)
+    return {"seconds": seconds, "tokens": tokens}
+
+
+def _collect(manager, ids: set[str]) -> int:  # type: ignore[no-untyped-def]
+    tokens = 0
+    while ids:
+        result = manager.get_result(timeout=600)
+        if result is None:
+            raise RuntimeError("transformers' continuous batching stopped early")
+        if result.is_finished() and result.request_id in ids:
+            ids.discard(result.request_id)
+            tokens += len(result.generated_tokens)
+    return tokens
+
+
+def run_hf_static(jobs: list, batch: int = 32) -> dict:
+    model = build_model(llama_1b_config(), "sdpa")
     model.generation_config.pad_token_id = 0
     useful, start = 0, time.perf_counter()
     for lo in range(0, len(jobs), batch):
@@ -164,39 +231,66 @@ def static_baseline(model: torch.nn.Module, jobs: list, batch: int = 32) -> dict
     return {"seconds": time.perf_counter() - start, "tokens": useful}
 
 
+# ----------------------------------------------------------------------------- driver
+def one_run(args: argparse.Namespace) -> dict:
+    jobs = workload(args.requests)
+    if args.mode == "ours":
+        return run_ours(jobs, args.max_num_seqs, args.cuda_graphs)
+    if args.mode == "hf-cb":
+        return run_hf_continuous(jobs)
+    return run_hf_static(jobs)
+
+
+def in_subprocess(mode: str, args: argparse.Namespace, *extra: str) -> dict | None:
+    command = [sys.executable, __file__, "--mode", mode, "--requests", str(args.requests)]
+    command += ["--max-num-seqs", str(args.max_num_seqs), *extra]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        print(f"# {mode} {' '.join(extra)} failed:\n{done.stderr[-3000:]}", file=sys.stderr)
+        return None
+    return json.loads(lines[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=128)
     parser.add_argument("--max-num-seqs", type=int, default=128)
-    parser.add_argument("--skip-baseline", action="store_true")
+    parser.add_argument("--cuda-graphs", type=int, default=256, help="0: eager decode steps")
+    parser.add_argument("--skip-baselines", action="store_true")
+    parser.add_argument("--mode", choices=["ours", "hf-cb", "hf-static"])
     args = parser.parse_args()
-    config = llama_1b_config()
-    jobs = workload(args.requests)
-    with tempfile.TemporaryDirectory() as model_dir:
-        config.save_pretrained(model_dir)  # the kvstore reads the geometry from it
-        model = build_model(config, "paged")
-        ours = serve(model, model_dir, jobs, args.max_num_seqs)
-    del model
-    torch.cuda.empty_cache()
-    print(f"# {time.strftime('%Y-%m-%d')} {torch.cuda.get_device_name()} torch {torch.__version__}")
-    print(f"# {' '.join(sys.argv)}; {args.requests} requests, {ours['tokens']} output tokens")
-    print("| system | seconds | output tok/s | ratio |")
-    print("|---|---|---|---|")
-    ours_tps = ours["tokens"] / ours["seconds"]
-    if not args.skip_baseline:
-        base = static_baseline(build_model(config, "sdpa"), jobs)
-        base_tps = base["tokens"] / base["seconds"]
-        print(
-            f"| transformers generate, static batches of 32 (sdpa) | {base['seconds']:.1f} | "
-            f"{base_tps:.0f} | 1.00 |"
+    if args.mode:
+        print(json.dumps(one_run(args)))
+        return
+    runs: list[tuple[str, dict | None]] = []
+    if not args.skip_baselines:
+        runs.append(("transformers continuous batching (paged|sdpa)", in_subprocess("hf-cb", args)))
+        runs.append(
+            ("transformers generate, static batches of 32", in_subprocess("hf-static", args))
         )
-    ratio = f"{ours_tps / base_tps:.2f}" if not args.skip_baseline else "-"
-    print(
-        f"| pagedserve engine + kvstore + Redis ({ours['steps']} steps) | {ours['seconds']:.1f} | "
-        f"{ours_tps:.0f} | {ratio} |"
+    runs.append(("pagedserve, eager decode", in_subprocess("ours", args, "--cuda-graphs", "0")))
+    graphs = str(args.cuda_graphs)
+    runs.append(
+        ("pagedserve, CUDA-graph decode", in_subprocess("ours", args, "--cuda-graphs", graphs))
     )
-    stats = ours["stats"]
-    print(f"# preemptions {stats.preemptions}, prefix hit tokens {stats.prefix_hit_tokens}")
+    print(f"# {time.strftime('%Y-%m-%d')} {torch.cuda.get_device_name()} torch {torch.__version__}")
+    print(f"# {' '.join(sys.argv)}; {args.requests} requests")
+    print("| system | seconds | output tokens | output tok/s | vs transformers CB |")
+    print("|---|---|---|---|---|")
+    base = runs[0][1] if not args.skip_baselines else None
+    for name, res in runs:
+        if res is None:
+            print(f"| {name} | failed | | | |")
+            continue
+        tps = res["tokens"] / res["seconds"]
+        ratio = f"{tps / (base['tokens'] / base['seconds']):.2f}" if base else "-"
+        print(f"| {name} | {res['seconds']:.1f} | {res['tokens']} | {tps:.0f} | {ratio} |")
+    for name, res in runs:
+        if res and "phases" in res:
+            print(f"# {name}: {res['steps']} steps, host seconds per phase {res['phases']}, "
+                  f"startup {res['startup_s']} s, preemptions {res['preemptions']}, "
+                  f"prefix hit tokens {res['prefix_hit_tokens']}")  # fmt: skip
 
 
 if __name__ == "__main__":

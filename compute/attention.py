@@ -11,7 +11,8 @@ chunks and decodes alike), request ``b`` owning rows ``cu_seqlens_q[b]:cu_seqlen
 ``position_ids [1, T]`` are per-request positions, so rotary is right without any mask.
 
 The function writes the layer's new K/V into the paged pool (``slot_mapping``) and then attends
-through the block tables with ``paged_prefill``, which handles q_len 1 decode rows too. On CUDA it
+through the block tables with ``paged_prefill``, which handles q_len 1 decode rows too (a step of
+decodes only takes the split-K ``paged_decode`` instead). On CUDA it
 runs the Triton kernels of ``kernels``; on CPU the pure-torch references of ``kernels.reference``
 (with an in-place store, since the reference store returns new tensors).
 """
@@ -51,6 +52,7 @@ class PagedBatch:
     max_query_len: int  # largest chunk in the batch (host int: no device sync in the kernel)
     max_context_len: int  # largest context_lens entry (host int)
     pool: torch.Tensor  # [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]
+    decode: bool = False  # every chunk is one token: the split-K decode kernel (CUDA)
 
 
 def store_kv_inplace(
@@ -137,6 +139,11 @@ def paged_attention_forward(
     else:  # the pure-torch reference, with an in-place store
         attend, store = paged_prefill_reference, store_kv_inplace
     store(k, v, k_cache, v_cache, paged.slot_mapping)
+    if paged.decode and q.is_cuda:
+        from kernels import paged_decode
+
+        out = paged_decode(q, k_cache, v_cache, paged.block_tables, paged.context_lens, scaling)
+        return out.unsqueeze(0), None  # [1, B, Hq, D]
     out = attend(
         q,
         k_cache,

@@ -20,8 +20,10 @@ its output stream) and the KV blocks are the kvstore's. A live worker renews its
 requests (``queue.touch``); the requests of a dead one are taken over (``queue.claim_stale``),
 rebuilt from the tokens already streamed and ``adopt``ed at the kvstore, which keeps their
 blocks for a grace period, so nothing is prefilled again (if the blocks are gone, it recomputes).
-Not yet here: beam search (the bookkeeping is in ``compute.sampling.BeamSearch``), taking over
-n > 1 requests (they fail with an error record), CUDA graphs.
+Beam search (``beam_width > 1``): the live beams are sequences that share blocks through fork
+(``compute.beams``); the request publishes its ``n`` best hypotheses when the search ends. Taking
+over an ``n > 1`` request adopts each unfinished branch; a beam search restarts on the prompt's
+blocks (nothing of it was streamed), which gives the same answer: its scoring is deterministic.
 """
 
 from __future__ import annotations
@@ -29,11 +31,13 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+from collections import defaultdict
 
 import redis
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from compute.beams import BeamGroup
+from compute.requests import Active, Branch, output_record
 from compute.runner import ModelRunner, ScheduledChunk
 from compute.sampling import RowState, StopChecker, sample
 from compute.scheduler import Scheduler, SchedulerConfig, SeqStatus, Sequence
@@ -43,27 +47,6 @@ from kvstore.client import KVClient
 from kvstore.device import map_pool
 
 log = logging.getLogger("pagedserve.compute")
-
-
-@dataclass
-class Branch:
-    """One of a request's n sequences (index 0 is the request's own kvstore request)."""
-
-    index: int
-    seq: Sequence
-    stop: StopChecker
-
-
-@dataclass
-class Active:
-    """A request this worker serves; its branches beyond the first are forked after the prompt."""
-
-    entry_id: str
-    record: queue.RequestRecord
-    branches: list[Branch]
-    live: int = 1  # branches not finished
-    cached_tokens: int = 0
-    adopt: bool = False  # taken over from a dead worker: adopt its kvstore request first
 
 
 class Engine:
@@ -77,9 +60,11 @@ class Engine:
         config: SchedulerConfig,
         prefill_profile: list[tuple[int, float]],
         claim_idle_ms: int = queue.CLAIM_IDLE_MS,
+        cuda_graph_max_batch: int = 0,
     ) -> None:
         """``claim_idle_ms``: a pending request untouched this long belongs to a dead worker and
-        this one takes it over (live workers renew theirs every ``claim_idle_ms / 4``)."""
+        this one takes it over (live workers renew theirs every ``claim_idle_ms / 4``).
+        ``cuda_graph_max_batch``: decode steps up to that size replay CUDA graphs (CUDA only)."""
         self.worker_id = worker_id
         self.tokenizer = tokenizer
         self.kv = kv
@@ -92,15 +77,21 @@ class Engine:
                 f"the kvstore's pool is on {pool.device.type}, the model on "
                 f"{model.device.type}: start both on the same device"
             )
-        self.runner = ModelRunner(model, pool, reply.pool.block_size)
+        graphs = min(cuda_graph_max_batch, config.max_num_seqs)
+        self.runner = ModelRunner(model, pool, reply.pool.block_size, graphs)
         self.scheduler = Scheduler(config, reply.pool.block_size)
         self.active: dict[str, Active] = {}  # by request id
         self.branch_of: dict[str, tuple[Active, Branch]] = {}  # by sequence id
+        self.beam_of: dict[str, Active] = {}  # by sequence id, the live beams
+        self.adopting: set[str] = set()  # taken over from a dead worker: adopt them, not admit
         self.forks: dict[str, list[str]] = {}  # parent -> children, for this step's kvstore call
         self.copies: list[tuple[int, int]] = []
         self.accepting = True  # takes new requests from Redis
         self.claim_idle_ms = claim_idle_ms
         self.tokens_computed = 0  # tokens run through the model (prefill + decode), a counter
+        # host seconds per phase of step(): redis_in (incl. waiting for requests), model
+        # (forward, sampling: it waits for the GPU), kvstore, redis_out
+        self.phase_s: dict[str, float] = defaultdict(float)
         self._next_lease_check = 0.0
         eos = model.generation_config.eos_token_id
         self.eos_ids = {eos} if isinstance(eos, int) else set(eos or [])
@@ -115,13 +106,23 @@ class Engine:
     # ------------------------------------------------------------------ the loop
     def step(self, block_ms: int | None = None) -> bool:
         """One engine step; False when there was nothing to do."""
+        clock = time.perf_counter()
         self._take_requests(block_ms if not self.active else None)
-        records, finished, computed = self._forward_and_sample()
-        done = self._kv_step(finished, computed)
+        clock = self._phase("redis_in", clock)
+        records, frees, done, computed = self._forward_and_sample()
+        clock = self._phase("model", clock)
+        self._kv_step(frees, computed)
+        clock = self._phase("kvstore", clock)
         aborted = queue.step(self.redis, records, [a.entry_id for a in done], list(self.active))
+        self._phase("redis_out", clock)
         for req_id in aborted:
             self._end(self.active[req_id], "abort")
         return bool(self.active) or bool(records)
+
+    def _phase(self, name: str, since: float) -> float:
+        now = time.perf_counter()
+        self.phase_s[name] += now - since
+        return now
 
     def _take_requests(self, block_ms: int | None) -> None:
         room = self.scheduler.config.max_num_seqs - len(self.active)
@@ -136,10 +137,20 @@ class Engine:
         if room <= 0 or not self.accepting:
             return
         for entry_id, record in queue.read_requests(self.redis, self.worker_id, room, block_ms):
-            seq = self.scheduler.add(record.req_id, record.prompt_token_ids)
-            active = Active(entry_id, record, [])
-            self.active[record.req_id] = active
-            self._add_branch(active, seq)
+            self._start(entry_id, record)
+
+    def _start(self, entry_id: str, record: queue.RequestRecord) -> Active:
+        """A request from its first token: its first branch, or its beam search's root."""
+        seq = self.scheduler.add(record.req_id, record.prompt_token_ids)
+        active = Active(entry_id, record, {})
+        self.active[record.req_id] = active
+        params = record.params
+        if params.beam_width > 1:
+            active.beams = BeamGroup(seq, params, self.eos_ids, self.worker_id)
+            self.beam_of[seq.seq_id] = active
+        else:
+            self._add_branch(active, seq, 0)
+        return active
 
     def _renew_leases(self) -> None:
         """Keeps other workers from taking over this one's requests (``queue.touch``)."""
@@ -155,43 +166,45 @@ class Engine:
         if streamed.final:  # it finished; only the ack was lost
             queue.ack(self.redis, [entry_id])
             return 0
-        generated = streamed.sequences[0].token_ids if 0 in streamed.sequences else []
-        if record.params.n > 1 and streamed.sequences:
-            error = queue.OutputRecord(
-                record.req_id,
-                0,
-                [],
-                None,
-                "error",
-                "its worker died; n > 1 requests cannot resume yet",
-                final=True,
-            )
-            queue.step(self.redis, [error], [entry_id])
-            return 0
-        log.info("taking over %s after %d streamed tokens", record.req_id, len(generated))
-        seq = self.scheduler.add(record.req_id, record.prompt_token_ids, generated)
-        active = Active(entry_id, record, [], adopt=True)
+        if record.params.beam_width > 1 or not streamed.sequences:  # start again, on its blocks
+            log.info("taking over %s from its start", record.req_id)
+            self._start(entry_id, record)
+            self.adopting.add(record.req_id)
+            return 1
+        log.info("taking over %s after %s tokens", record.req_id, streamed.sequences)
+        active = Active(entry_id, record, {}, live=0)
         self.active[record.req_id] = active
-        branch = self._add_branch(active, seq)
-        for token in generated:  # the stop checker and the seeded stream continue from here
-            branch.stop.append(token)
+        for index in range(record.params.n):
+            streamed_seq = streamed.sequences[index]  # all n stream from the first token on
+            if streamed_seq.finish_reason is not None:
+                continue
+            seq_id = record.req_id if index == 0 else f"{record.req_id}#{index}"
+            generated = streamed_seq.token_ids
+            seq = self.scheduler.add(seq_id, record.prompt_token_ids, generated)
+            branch = self._add_branch(active, seq, index)
+            self.adopting.add(seq_id)
+            active.live += 1
+            for token in generated:  # the stop checker and the seeded stream continue from here
+                branch.stop.append(token)
         return 1
 
-    def _add_branch(self, active: Active, seq: Sequence) -> Branch:
+    def _add_branch(self, active: Active, seq: Sequence, index: int) -> Branch:
         record = active.record
         context = record.prompt_token_ids[-4:]
         stop = StopChecker(record.params, self.eos_ids, self.tokenizer.decode, context)
-        branch = Branch(len(active.branches), seq, stop)
-        active.branches.append(branch)
+        branch = Branch(index, seq, stop)
+        active.branches[index] = branch
         self.branch_of[seq.seq_id] = (active, branch)
         return branch
 
-    def _forward_and_sample(self) -> tuple[list[queue.OutputRecord], list[Branch], set[str]]:
-        """The step's forward pass; returns the deltas, the finished branches and the ids of
-        the sequences whose KV was computed."""
+    def _forward_and_sample(
+        self,
+    ) -> tuple[list[queue.OutputRecord], list[str], list[Active], set[str]]:
+        """The step's forward pass and token choice. Returns the deltas, the sequences to free,
+        the requests that are done and the ids of the sequences whose KV was computed."""
         chunks = self.scheduler.schedule()
         if not chunks:
-            return [], [], set()
+            return [], [], [], set()
         self.runner.copy_blocks(self.copies)
         self.copies = []
         batch = [
@@ -206,15 +219,21 @@ class Engine:
         rows: list[int] = []
         owners: list[tuple[Active, int]] = []
         states: list[RowState] = []
+        searches: dict[str, Active] = {}  # beam searches that got logits this step
         for i, chunk in enumerate(chunks):
-            if chunk.samples:
-                active, branch = self.branch_of[chunk.seq.seq_id]
-                params = active.record.params
-                fan_out = params.n if branch.stop.num_generated == 0 and branch.index == 0 else 1
-                for k in range(branch.index, branch.index + fan_out):
-                    rows.append(i)
-                    owners.append((active, k))
-                    states.append(RowState(params, k, branch.stop.num_generated))
+            if not chunk.samples:
+                continue
+            if (beam_owner := self.beam_of.get(chunk.seq.seq_id)) is not None:
+                beam_owner.beams.computed(chunk.seq, logits[i])  # type: ignore[union-attr]
+                searches[beam_owner.record.req_id] = beam_owner
+                continue
+            active, branch = self.branch_of[chunk.seq.seq_id]
+            params = active.record.params
+            fan_out = params.n if branch.stop.num_generated == 0 and branch.index == 0 else 1
+            for k in range(branch.index, branch.index + fan_out):
+                rows.append(i)
+                owners.append((active, k))
+                states.append(RowState(params, k, branch.stop.num_generated))
         tokens = sample(logits[rows], states).token_ids.tolist() if rows else []
         own = {
             i: t
@@ -223,37 +242,63 @@ class Engine:
         }
         for i, chunk in enumerate(chunks):
             self.scheduler.computed(chunk, own.get(i))
-        records, finished = [], []
+        records: list[queue.OutputRecord] = []
+        frees: list[str] = []
         for (active, k), token in zip(owners, tokens, strict=True):
-            if k == len(active.branches):  # a new branch, forked from the first
+            if k not in active.branches:  # a new branch, forked from the first
                 parent = active.branches[0].seq.seq_id
                 child = self.scheduler.fork(parent, f"{parent}#{k}", token)
                 self.forks.setdefault(parent, []).append(child.seq_id)
-                self._add_branch(active, child)
+                self._add_branch(active, child, k)
                 active.live += 1
             branch = active.branches[k]
             update = branch.stop.append(token)
             if update.finish_reason is not None:
                 active.live -= 1
-                finished.append(branch)
+                frees.append(branch.seq.seq_id)
             records.append(
-                self._record(active, k, [token], update.finish_reason, final=active.live == 0)
+                output_record(
+                    active, k, [token], update.finish_reason, active.live == 0, update.text
+                )
             )
-        return records, finished, {c.seq.seq_id for c in chunks}
+        for active in searches.values():
+            records += self._beam_round(active, frees)
+        done = [a for a in self.active.values() if a.live == 0]
+        for seq_id in frees:
+            self.branch_of.pop(seq_id, None)
+            self.beam_of.pop(seq_id, None)
+            self.scheduler.finish(seq_id)
+        for active in done:
+            del self.active[active.record.req_id]
+        return records, frees, done, {c.seq.seq_id for c in chunks}
+
+    def _beam_round(self, active: Active, frees: list[str]) -> list[queue.OutputRecord]:
+        """Advances a beam search whose live beams all have their logits; adds the sequences
+        it drops to ``frees``. Once it is done, the request's n best hypotheses."""
+        beams = active.beams
+        assert beams is not None
+        if not beams.ready():
+            return []
+        round_ = beams.advance(self.scheduler)
+        frees += round_.frees
+        for parent, children in round_.forks.items():
+            self.forks.setdefault(parent, []).extend(children)
+            for child in children:
+                self.beam_of[child] = active
+        if not beams.done:
+            return []
+        active.live = 0
+        best = beams.best(active.record.params.n, self.tokenizer.decode)
+        return [
+            output_record(active, k, tokens, reason, k == len(best) - 1, text)
+            for k, (tokens, reason, text) in enumerate(best)
+        ]
 
     # ------------------------------------------------------------------ kvstore
-    def _kv_step(self, finished: list[Branch], computed: set[str]) -> list[Active]:
-        """Frees the finished branches, forks new ones, reports the progress of every running
-        sequence ``computed`` this step or holding unreported tokens (decodes as one columnar
-        TokenBatch), resumes and admits what the scheduler places. Returns the requests that
-        are done (every branch finished)."""
-        frees = [branch.seq.seq_id for branch in finished]
-        done = []
-        for branch in finished:
-            active, _ = self.branch_of.pop(branch.seq.seq_id)
-            self.scheduler.finish(branch.seq.seq_id)
-            if active.live == 0 and self.active.pop(active.record.req_id, None) is not None:
-                done.append(active)  # once, though several branches may end in one step
+    def _kv_step(self, frees: list[str], computed: set[str]) -> None:
+        """Frees ``frees``, forks new sequences, reports the progress of every running sequence
+        ``computed`` this step or holding unreported tokens (decodes as one columnar
+        TokenBatch), resumes and admits what the scheduler places."""
         forks = [p.ForkItem(parent, children) for parent, children in self.forks.items()]
         self.forks = {}
         decodes, appends = [], []
@@ -285,11 +330,14 @@ class Engine:
             )
         )
         self._apply(reply, reporting)
-        return done
+
+    def _owner(self, seq_id: str) -> Active:
+        branch = self.branch_of.get(seq_id)
+        return branch[0] if branch is not None else self.beam_of[seq_id]
 
     def _admit_item(self, seq: Sequence) -> p.AdmitItem:
-        active = self.active[seq.seq_id]
-        return p.AdmitItem(seq.seq_id, seq.token_ids, active.record.salt, adopt=active.adopt)
+        salt = self._owner(seq.seq_id).record.salt
+        return p.AdmitItem(seq.seq_id, seq.token_ids, salt, adopt=seq.seq_id in self.adopting)
 
     def _apply(self, reply: p.StepReply, reporting: list[str]) -> None:
         """Takes in a step reply; while a running sequence got no block for its new tokens,
@@ -312,8 +360,8 @@ class Engine:
                 self.scheduler.placed(
                     seq.seq_id, placed.block_ids, placed.num_computed, len(seq.token_ids)
                 )
-                self.active[seq.seq_id].cached_tokens = placed.num_cached_tokens
-                self.active[seq.seq_id].adopt = False
+                self._owner(seq.seq_id).cached_tokens = placed.num_cached_tokens
+                self.adopting.discard(seq.seq_id)
             for placed in reply.resumed:  # the kvstore knows what it held when preempted
                 seq = self.scheduler.seqs[placed.req_id]
                 self.scheduler.placed(
@@ -321,7 +369,7 @@ class Engine:
                 )
             for error in reply.errors:
                 if error.op == "admit" and error.code == "unknown_request":
-                    self.active[error.req_id].adopt = False  # its blocks are gone: recompute
+                    self.adopting.discard(error.req_id)  # its blocks are gone: recompute
                 elif error.op == "admit" and error.code == "conflict":
                     pass  # the kvstore's lease on the dead worker has not run out: retry
                 elif error.code != "no_space":
@@ -351,32 +399,21 @@ class Engine:
         assert isinstance(reply, p.StepReply)
         return reply
 
-    # ------------------------------------------------------------------ outputs
-    def _record(
-        self, active: Active, index: int, tokens: list[int], reason: str | None, final: bool
-    ) -> queue.OutputRecord:
-        return queue.OutputRecord(
-            active.record.req_id,
-            index,
-            tokens,
-            None,
-            reason,  # type: ignore[arg-type]
-            prompt_tokens=len(active.record.prompt_token_ids),
-            cached_tokens=active.cached_tokens,
-            final=final,
-        )
-
     def _end(self, active: Active, reason: str) -> None:
         """Ends a request early (client abort): frees its sequences, publishes a final record,
         acks it."""
-        held = [b.seq.seq_id for b in active.branches if b.seq.status is not SeqStatus.WAITING]
+        held = [seq.seq_id for seq in active.held()]
         if held:
             self._call(p.Step(self.worker_id, frees=held))
-        for branch in active.branches:
-            if self.branch_of.pop(branch.seq.seq_id, None) is not None:
-                self.scheduler.finish(branch.seq.seq_id)
+        seqs = [b.seq for b in active.branches.values()] + (
+            active.beams.live if active.beams else []
+        )
+        for seq in seqs:
+            if self.branch_of.pop(seq.seq_id, None) or self.beam_of.pop(seq.seq_id, None):
+                self.scheduler.finish(seq.seq_id)
+            self.adopting.discard(seq.seq_id)
         del self.active[active.record.req_id]
-        record = self._record(active, 0, [], reason, final=True)
+        record = output_record(active, 0, [], reason, final=True)
         queue.step(self.redis, [record], [active.entry_id])
 
     def run_forever(self, signals: list[int]) -> None:

@@ -9,6 +9,7 @@ request's last scheduled token. Tokens whose KV is written are the caller's to r
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -16,9 +17,22 @@ import torch
 from transformers import PreTrainedModel
 
 from compute.attention import ATTN_NAME, PagedBatch, copy_blocks_inplace
+from compute.graphs import DecodeGraphs
 from pagedserve.model_config import kv_geometry
 
 __all__ = ["ModelRunner", "ScheduledChunk"]
+
+
+@dataclass(frozen=True)
+class Packed:
+    """One step's inputs as host lists: T packed tokens of B chunks."""
+
+    ids: list[int]  # [T]
+    positions: list[int]  # [T]
+    slots: list[int]  # [T] pool slot of each token
+    cu: list[int]  # [B + 1] row offsets
+    context_lens: list[int]  # [B]
+    table: list[list[int]]  # [B, width] block tables, zero-padded
 
 
 @dataclass(frozen=True)
@@ -42,7 +56,15 @@ class ModelRunner:
     in the model's dtype (the kvstore's layout; block-major).
     """
 
-    def __init__(self, model: PreTrainedModel, pool: torch.Tensor, block_size: int) -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        pool: torch.Tensor,
+        block_size: int,
+        cuda_graph_max_batch: int = 0,
+    ) -> None:
+        """``cuda_graph_max_batch`` > 0 (CUDA only): capture decode forwards of up to that many
+        requests as CUDA graphs now, and replay them for decode-only steps."""
         config = model.config
         if config._attn_implementation != ATTN_NAME:
             raise ValueError(
@@ -68,6 +90,11 @@ class ModelRunner:
         self.pool = pool
         self.block_size = block_size
         self.device = pool.device
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graph_max_batch > 0 and pool.is_cuda:
+            max_blocks = -(-config.max_position_embeddings // block_size)
+            self.graphs = DecodeGraphs(model, pool, block_size, cuda_graph_max_batch, max_blocks)
+            self.graphs.capture()
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
         """Performs copy-on-write block copies, the ``(src, dst)`` of each ``(position, src,
@@ -79,18 +106,12 @@ class ModelRunner:
         dst = torch.tensor([d for _, d in copies], dtype=torch.int64, device=self.device)  # [N]
         copy_blocks_inplace(self.pool, src, dst)
 
-    def prepare(
-        self, batch: Sequence[ScheduledChunk]
-    ) -> tuple[dict[str, torch.Tensor], PagedBatch]:
-        """Host-side packing: model inputs and the paged metadata of one step."""
+    def pack(self, batch: Sequence[ScheduledChunk]) -> Packed:
+        """Host-side packing of one step (plain lists, no tensor yet)."""
         if not batch:
             raise ValueError("empty batch")
         bs = self.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        cu = [0]
-        context_lens: list[int] = []
+        packed = Packed([], [], [], [0], [], [])
         for chunk in batch:
             n = len(chunk.token_ids)
             end = chunk.start + n
@@ -98,31 +119,44 @@ class ModelRunner:
                 raise ValueError("every scheduled request needs at least one token")
             if -(-end // bs) > len(chunk.block_ids):
                 raise ValueError(f"{len(chunk.block_ids)} blocks cannot hold {end} tokens")
-            ids.extend(chunk.token_ids)
-            positions.extend(range(chunk.start, end))
-            slots.extend(chunk.block_ids[p // bs] * bs + p % bs for p in range(chunk.start, end))
-            cu.append(cu[-1] + n)
-            context_lens.append(end)
-        width = max(-(-c // bs) for c in context_lens)  # blocks the longest context reads
-        table = [list(chunk.block_ids[:width]) for chunk in batch]
-        table = [row + [0] * (width - len(row)) for row in table]
+            packed.ids.extend(chunk.token_ids)
+            packed.positions.extend(range(chunk.start, end))
+            packed.slots.extend(
+                chunk.block_ids[p // bs] * bs + p % bs for p in range(chunk.start, end)
+            )
+            packed.cu.append(packed.cu[-1] + n)
+            packed.context_lens.append(end)
+        width = max(-(-c // bs) for c in packed.context_lens)  # blocks the longest context reads
+        for chunk in batch:
+            row = list(chunk.block_ids[:width])
+            packed.table.append(row + [0] * (width - len(row)))
+        return packed
+
+    def prepare(
+        self, batch: Sequence[ScheduledChunk]
+    ) -> tuple[dict[str, torch.Tensor], PagedBatch]:
+        """Model inputs and the paged metadata of one step, on the device."""
+        packed = self.pack(batch)
 
         def tensor(values: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
+        cu = packed.cu
         inputs = {
-            "input_ids": tensor([ids], torch.int64),  # [1, T]
-            "position_ids": tensor([positions], torch.int64),  # [1, T]
+            "input_ids": tensor([packed.ids], torch.int64),  # [1, T]
+            "position_ids": tensor([packed.positions], torch.int64),  # [1, T]
             "logits_to_keep": tensor(cu[1:], torch.int64) - 1,  # [B] last row of each request
         }
+        max_query_len = max(b - a for a, b in itertools.pairwise(cu))
         paged = PagedBatch(
-            slot_mapping=tensor(slots, torch.int64),  # [T]
-            block_tables=tensor(table, torch.int32),  # [B, width]
+            slot_mapping=tensor(packed.slots, torch.int64),  # [T]
+            block_tables=tensor(packed.table, torch.int32),  # [B, width]
             cu_seqlens_q=tensor(cu, torch.int32),  # [B + 1]
-            context_lens=tensor(context_lens, torch.int32),  # [B]
-            max_query_len=max(len(chunk.token_ids) for chunk in batch),
-            max_context_len=max(context_lens),
+            context_lens=tensor(packed.context_lens, torch.int32),  # [B]
+            max_query_len=max_query_len,
+            max_context_len=max(packed.context_lens),
             pool=self.pool,
+            decode=max_query_len == 1,
         )
         return inputs, paged
 
@@ -130,6 +164,12 @@ class ModelRunner:
     def forward(self, batch: Sequence[ScheduledChunk]) -> torch.Tensor:
         """Writes the KV of every scheduled token into the pool; returns logits [B, vocab] of
         each request's last scheduled token (fp32), in batch order."""
+        graphs = self.graphs
+        decodes = all(len(chunk.token_ids) == 1 for chunk in batch)
+        if graphs is not None and decodes and len(batch) <= graphs.max_batch:
+            p = self.pack(batch)
+            if len(p.table[0]) <= graphs.max_blocks:  # else: a context past the model's length
+                return graphs.replay(p.ids, p.positions, p.slots, p.table, p.context_lens).float()
         inputs, paged = self.prepare(batch)
         out = self.model(**inputs, use_cache=False, paged=paged)
         return out.logits[0].float()  # [B, vocab]

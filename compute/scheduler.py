@@ -173,6 +173,16 @@ class Scheduler:
         if new_token is not None:
             seq.token_ids.append(new_token)
 
+    def append_sampled(self, seq_id: str, token: int) -> None:
+        """A token chosen after the sequence's forward, in a later call than ``computed`` (beam
+        search waits for every beam's logits): it joins the sequence, which had nothing
+        pending."""
+        seq = self.seqs[seq_id]
+        assert seq.num_computed == seq.num_reported == len(seq.token_ids), (
+            f"{seq_id}: tokens pending"
+        )
+        seq.token_ids.append(token)
+
     def fork(self, parent_id: str, child_id: str, first_token: int) -> Sequence:
         """A sibling of ``parent_id`` (n > 1), mirroring the kvstore's fork in the same step: it
         shares the parent's blocks and reported tokens, then has its own ``first_token``

@@ -55,6 +55,13 @@ class ComputeConfig:
         default="",
         metadata={"help": "name in the kvstore and the Redis consumer group (default: host-pid)"},
     )
+    cuda_graph_max_batch: int = field(
+        default=256,
+        metadata={
+            "help": "on CUDA, capture decode steps of up to this many requests as CUDA graphs "
+            "at startup (capped by --max-num-seqs); 0 runs every step eagerly"
+        },
+    )
     log_level: str = field(default="INFO", metadata={"help": "logging level"})
 
 
@@ -80,7 +87,15 @@ def run(config: ComputeConfig, scheduling: SchedulerConfig) -> None:
     signal.signal(signal.SIGTERM, lambda signum, _frame: signals.append(signum))
     with KVClient(config.kvstore) as kv:
         engine = Engine(
-            worker_id, model, tokenizer, kv, r, scheduling, profile, config.claim_idle_ms
+            worker_id,
+            model,
+            tokenizer,
+            kv,
+            r,
+            scheduling,
+            profile,
+            config.claim_idle_ms,
+            config.cuda_graph_max_batch,
         )
         log.info(
             "worker %s serving (redis %s, kvstore %s)", worker_id, config.redis_url, config.kvstore

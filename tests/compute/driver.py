@@ -46,6 +46,7 @@ class GreedyDriver:
     num_blocks: int = 64
     block_size: int = 16
     token_budget: int | None = None  # max tokens per step; None packs everything pending
+    cuda_graph_max_batch: int = 0  # > 0: decode steps replay CUDA graphs (CUDA only)
     seqs: dict[str, Seq] = field(default_factory=dict)
     steps: list[list[tuple[str, int, int]]] = field(default_factory=list)  # (req, start, n)
 
@@ -63,7 +64,7 @@ class GreedyDriver:
         gen = torch.Generator().manual_seed(1234)
         pool = (torch.randn(shape, generator=gen) * 10).to(self.model.device, self.model.dtype)
         self.manager = KVCacheManager(self.num_blocks, 0, self.block_size)
-        self.runner = ModelRunner(self.model, pool, self.block_size)
+        self.runner = ModelRunner(self.model, pool, self.block_size, self.cuda_graph_max_batch)
         self.pending_copies: list[tuple[int, int]] = []
 
     def admit(self, req_id: str, prompt: list[int], max_new: int) -> Seq:
@@ -156,6 +157,39 @@ def generate_greedy(ref: PreTrainedModel, prompt: list[int], max_new: int) -> li
         pad_token_id=EOS,
     )
     return out[0, len(prompt) :].tolist()
+
+
+@torch.inference_mode()
+def generate_beams(
+    ref: PreTrainedModel,
+    prompt: list[int],
+    width: int,
+    max_new: int,
+    stop: int | None,
+    length_penalty: float = 1.0,
+    early_stopping: bool | str = "never",
+    pad: int = 258,
+) -> tuple[list[list[int]], list[float]]:
+    """transformers' beam search (``num_beams=width``): the ``width`` hypotheses, best first,
+    each cut after its ``stop`` token (padding follows it), and their scores."""
+    ids = torch.tensor([prompt], device=ref.device)  # [1, L]
+    out = ref.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        num_beams=width,
+        num_return_sequences=width,
+        do_sample=False,
+        max_new_tokens=max_new,
+        length_penalty=length_penalty,
+        early_stopping=early_stopping,
+        eos_token_id=stop,
+        pad_token_id=pad,
+        return_dict_in_generate=True,
+        output_scores=True,
+    )
+    rows = out.sequences[:, len(prompt) :].tolist()
+    ended = [row[: row.index(stop) + 1] if stop in row else row for row in rows]  # padded after
+    return ended, out.sequences_scores.tolist()
 
 
 def run_chunked_schedule(

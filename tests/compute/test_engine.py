@@ -3,115 +3,9 @@
 
 from __future__ import annotations
 
-import asyncio
-import random
-import time
-from typing import NamedTuple
-
-import pytest
-import redis
-import redis.asyncio
-
-from compute.engine import Engine
-from compute.models import load_model
-from compute.scheduler import SchedulerConfig
 from gateway import queue
-from kvstore import protocol as p
-from kvstore.client import KVClient
-from tests.compute.driver import generate_greedy, reference_model
-from tests.conftest import start_kvstore, stop_process
-
-BLOCK_BYTES = 8192  # tiny model, fp32, block 16: 2 layers x K,V x 16 x 2 heads x 16 x 4 bytes
-PROFILE = [(16, 0.002), (1024, 0.05)]  # prefill seconds the worker reports (CPU, tiny)
-
-
-@pytest.fixture(scope="module")
-def tiny() -> tuple[object, object, object]:
-    model, tokenizer = load_model("tiny", "float32", "cpu")
-    return model, tokenizer, reference_model(model)
-
-
-class Served(NamedTuple):
-    outputs: dict[str, list[int]]  # tokens of each request's first sequence
-    stats: p.Stats  # the kvstore's, at the end
-    cached: dict[str, int]  # cached tokens each request reported
-    steps: int
-    max_used: int  # most GPU blocks in use after any step
-    streamed: dict[str, queue.Streamed]  # every sequence of every request
-
-
-def submit(redis_url: str, records: list[queue.RequestRecord]) -> None:
-    async def go() -> None:
-        client = redis.asyncio.Redis.from_url(redis_url)
-        for record in records:
-            await queue.submit(client, record)
-        await client.aclose()
-
-    asyncio.run(go())
-
-
-def run_engine(
-    redis_url: str,
-    flags: list[str],
-    prompts: dict[str, list[int]],
-    max_tokens: int,
-    tiny: tuple,
-    max_num_seqs: int = 8,
-    params: dict[str, queue.SamplingParams] | None = None,
-) -> Served:
-    """Serves ``prompts`` to the end (greedy unless ``params`` says otherwise)."""
-    model, tokenizer, _ = tiny
-    process, endpoint = start_kvstore("--model", "tiny", "--dtype", "float32", *flags)
-    try:
-        r = redis.Redis.from_url(redis_url)
-        r.flushdb()
-        greedy = queue.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        submit(
-            redis_url,
-            [
-                queue.RequestRecord(
-                    rid, prompt, (params or {}).get(rid, greedy), "tiny", time.time()
-                )
-                for rid, prompt in prompts.items()
-            ],
-        )
-        with KVClient(endpoint) as kv:
-            engine = Engine(
-                "w-test", model, tokenizer, kv, r, SchedulerConfig(max_num_seqs, 64), PROFILE
-            )
-            deadline = time.monotonic() + 120
-            steps = max_used = 0
-            while time.monotonic() < deadline:
-                engine.step(block_ms=50)
-                steps += 1
-                # The kvstore holds exactly the tokens the worker reported, no more, no fewer.
-                live = kv.call(p.GetStats(0))
-                max_used = max(max_used, live.gpu.used)
-                rows = {row.req_id: row for row in live.requests}
-                for seq in engine.scheduler.running():
-                    assert rows[seq.seq_id].tokens == seq.num_reported, seq.seq_id
-                streamed = {rid: queue.read_streamed(r, rid) for rid in prompts}
-                if all(s.final for s in streamed.values()) and not engine.active:
-                    break
-            stats = kv.call(p.GetStats())
-        outputs = {rid: s.sequences[0].token_ids for rid, s in streamed.items()}
-        cached = {}
-        for rid in prompts:
-            entries = r.xrange(queue.output_key(rid))
-            cached[rid] = queue.decode_output(entries[-1][1][b"rec"]).cached_tokens
-        return Served(outputs, stats, cached, steps, max_used, streamed)
-    finally:
-        stop_process(process)
-
-
-def prompts_of(
-    lengths: list[int], seed: int, shared: list[int] | None = None
-) -> dict[str, list[int]]:
-    rng = random.Random(seed)
-    return {
-        f"req{i}": (shared or []) + [rng.randrange(256) for _ in range(n)]
-        for i, n in enumerate(lengths)
-    }
+from tests.compute.driver import generate_greedy
+from tests.compute.serving import BLOCK_BYTES, kill_and_take_over, prompts_of, run_engine
 
 
 def test_greedy_through_kvstore_and_redis_equals_generate(redis_url: str, tiny: tuple) -> None:
@@ -206,43 +100,18 @@ def test_a_dead_workers_request_is_finished_by_another_without_prefilling_again(
     exactly what the kvstore and Redis see of a SIGKILL). Worker w2 takes the request over,
     adopts the kvstore's blocks and finishes it: the output equals an uninterrupted run and w2
     computes only the tokens after the last one w1 reported, not the 96-token prompt."""
-    model, tokenizer, ref = tiny
     prompt = prompts_of([96], seed=9)["req0"]
-    process, endpoint = start_kvstore(
-        "--model",
-        "tiny",
-        "--dtype",
-        "float32",
-        "--kv-memory",
-        "0.01GiB",
-        "--lease-timeout-s",
-        "0.5",
+    params = queue.SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    run = kill_and_take_over(
+        redis_url, tiny, prompt, params, lambda w1, out: len(tokens_of(out, 0)) >= 8
     )
-    try:
-        r = redis.Redis.from_url(redis_url)
-        r.flushdb()
-        params = queue.SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
-        submit(redis_url, [queue.RequestRecord("crash", prompt, params, "tiny", time.time())])
-        config = SchedulerConfig(8, 64)
-        with KVClient(endpoint) as kv1, KVClient(endpoint) as kv2:
-            w1 = Engine("w1", model, tokenizer, kv1, r, config, PROFILE, claim_idle_ms=1000)
-            while len(queue.read_streamed(r, "crash").sequences.get(0, EMPTY).token_ids) < 8:
-                w1.step(block_ms=50)
-            del w1  # dies mid-generation
-            w2 = Engine("w2", model, tokenizer, kv2, r, config, PROFILE, claim_idle_ms=1000)
-            deadline = time.monotonic() + 60
-            while not queue.read_streamed(r, "crash").final:
-                assert time.monotonic() < deadline, "w2 never finished the request"
-                w2.step(block_ms=50)
-            stats = kv2.call(p.GetStats())
-        tokens = queue.read_streamed(r, "crash").sequences[0].token_ids
-        assert tokens == generate_greedy(ref, prompt, 20)
-        # The rest of the output plus the last block at most (the last token is recomputed, its
-        # whole block if that block was full and cached), never the 96-token prompt.
-        assert w2.tokens_computed <= 20 - 8 + 16, w2.tokens_computed
-        assert stats.gpu.used == 0 and not stats.requests
-    finally:
-        stop_process(process)
+    assert tokens_of(run.streamed, 0) == generate_greedy(tiny[2], prompt, 20)
+    # The rest of the output plus the last block at most (the last token is recomputed, its
+    # whole block if that block was full and cached), never the 96-token prompt.
+    assert run.computed_by_w2 <= 20 - 8 + 16, run.computed_by_w2
+    assert run.stats.gpu.used == 0 and not run.stats.requests
 
 
-EMPTY = queue.StreamedSequence([])
+def tokens_of(streamed: queue.Streamed, index: int) -> list[int]:
+    sequence = streamed.sequences.get(index)
+    return sequence.token_ids if sequence else []

@@ -58,6 +58,27 @@ def test_cuda_chunked_prefill_and_decode_match_sdpa(
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_cuda_graph_decodes_match_sdpa(family: str, cuda: torch.device) -> None:
+    """Decode steps replayed from CUDA graphs (batches 20 down to 1, padded to their bucket; a
+    700-token context among them) give SDPA's logits."""
+    config = tiny_family_config(family)
+    config.head_dim = 64
+    config.max_position_embeddings = 1024  # the graphs' block tables are this wide
+    model = paged_model(config, seed=5).to(cuda, torch.bfloat16)
+    gen = torch.Generator().manual_seed(11)
+    driver = GreedyDriver(model, num_blocks=512, cuda_graph_max_batch=32)
+    for i in range(20):
+        n = 700 if i == 3 else int(torch.randint(1, 90, (1,), generator=gen))
+        prompt = torch.randint(0, 256, (n,), generator=gen).tolist()
+        driver.admit(f"r{i}", prompt, 3 + i)
+    driver.run()
+    graphs = driver.runner.graphs
+    assert graphs is not None and graphs.replays >= 20  # every step after the prefill
+    check_against_sdpa(driver, tol=0.03)
+
+
+@pytest.mark.gpu
 def test_cuda_fp16_prefix_hit_and_block_size_32(cuda: torch.device) -> None:
     model = paged_model(tiny_family_config("qwen3"), seed=1).to(cuda, torch.float16)
     gen = torch.Generator().manual_seed(4)

@@ -31,6 +31,7 @@ from compute.sampling import (
 )
 from gateway.queue import SamplingParams
 from pagedserve.model_config import tiny_config
+from tests.compute.driver import generate_beams
 
 NEG = float("-inf")
 
@@ -465,22 +466,7 @@ def tiny_llama() -> LlamaForCausalLM:
 def hf_beam(
     prompt: torch.Tensor, eos: int, lp: float, early: bool | str
 ) -> tuple[list[list[int]], list[float]]:
-    out = tiny_llama().generate(
-        prompt,
-        attention_mask=torch.ones_like(prompt),
-        num_beams=4,
-        num_return_sequences=4,
-        do_sample=False,
-        max_new_tokens=12,
-        length_penalty=lp,
-        early_stopping=early,
-        eos_token_id=eos,
-        pad_token_id=258,
-        return_dict_in_generate=True,
-        output_scores=True,
-    )
-    seqs = [[t for t in row if t != 258] for row in out.sequences[:, prompt.shape[1] :].tolist()]
-    return seqs, out.sequences_scores.tolist()
+    return generate_beams(tiny_llama(), prompt[0].tolist(), 4, 12, eos, lp, early)
 
 
 def our_beam(prompt: torch.Tensor, eos: int, lp: float, early: bool | str) -> BeamSearch:

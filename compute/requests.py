@@ -1,0 +1,68 @@
+"""What a compute worker knows of each request it serves, and the output records it publishes.
+
+Owned by the engine's loop (``compute.engine``); rebuilt from Redis when another worker takes a
+request over.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from compute.beams import BeamGroup
+from compute.sampling import StopChecker
+from compute.scheduler import SeqStatus, Sequence
+from gateway import queue
+
+
+@dataclass
+class Branch:
+    """One of a request's n sampled sequences (index 0 is the request's own kvstore request)."""
+
+    index: int
+    seq: Sequence
+    stop: StopChecker
+
+
+@dataclass
+class Active:
+    """A request this worker serves: its sampled branches (the n > 1 beyond the first are forked
+    after the prompt), or its beam search."""
+
+    entry_id: str
+    record: queue.RequestRecord
+    branches: dict[int, Branch]  # by index (< n)
+    live: int = 1  # branches not finished
+    cached_tokens: int = 0
+    beams: BeamGroup | None = None
+
+    def sequences(self) -> list[Sequence]:
+        """Every sequence of the request that is not finished."""
+        beams = self.beams.live if self.beams else []
+        return [b.seq for b in self.branches.values()] + beams
+
+    def held(self) -> list[Sequence]:
+        """The sequences that are kvstore requests (running or preempted)."""
+        held = (SeqStatus.RUNNING, SeqStatus.PREEMPTED)
+        return [s for s in self.sequences() if s.status in held]
+
+
+def output_record(
+    active: Active,
+    index: int,
+    tokens: list[int],
+    reason: str | None,
+    final: bool,
+    text: str = "",
+) -> queue.OutputRecord:
+    """One delta of sequence ``index``; ``final`` ends the request."""
+    return queue.OutputRecord(
+        active.record.req_id,
+        index,
+        tokens,
+        None,
+        reason,  # type: ignore[arg-type]
+        prompt_tokens=len(active.record.prompt_token_ids),
+        cached_tokens=active.cached_tokens,
+        final=final,
+        text=text,
+    )

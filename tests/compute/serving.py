@@ -1,0 +1,154 @@
+"""Serving requests through a real kvstore daemon, Redis and the worker's engine (in this
+process: the real Engine code), for the engine tests."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Callable
+from typing import NamedTuple
+
+import redis
+import redis.asyncio
+
+from compute.engine import Engine
+from compute.scheduler import SchedulerConfig
+from gateway import queue
+from kvstore import protocol as p
+from kvstore.client import KVClient
+from tests.conftest import start_kvstore, stop_process
+
+BLOCK_BYTES = 8192  # tiny model, fp32, block 16: 2 layers x K,V x 16 x 2 heads x 16 x 4 bytes
+PROFILE = [(16, 0.002), (1024, 0.05)]  # prefill seconds the worker reports (CPU, tiny)
+
+
+class Served(NamedTuple):
+    outputs: dict[str, list[int]]  # tokens of each request's first sequence
+    stats: p.Stats  # the kvstore's, at the end
+    cached: dict[str, int]  # cached tokens each request reported
+    steps: int
+    max_used: int  # most GPU blocks in use after any step
+    streamed: dict[str, queue.Streamed]  # every sequence of every request
+
+
+def submit(redis_url: str, records: list[queue.RequestRecord]) -> None:
+    async def go() -> None:
+        client = redis.asyncio.Redis.from_url(redis_url)
+        for record in records:
+            await queue.submit(client, record)
+        await client.aclose()
+
+    asyncio.run(go())
+
+
+def run_engine(
+    redis_url: str,
+    flags: list[str],
+    prompts: dict[str, list[int]],
+    max_tokens: int,
+    tiny: tuple,
+    max_num_seqs: int = 8,
+    params: dict[str, queue.SamplingParams] | None = None,
+    salts: dict[str, bytes] | None = None,
+) -> Served:
+    """Serves ``prompts`` to the end (greedy unless ``params`` says otherwise)."""
+    model, tokenizer, _ = tiny
+    process, endpoint = start_kvstore("--model", "tiny", "--dtype", "float32", *flags)
+    try:
+        r = redis.Redis.from_url(redis_url)
+        r.flushdb()
+        greedy = queue.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        submit(
+            redis_url,
+            [
+                queue.RequestRecord(
+                    rid,
+                    prompt,
+                    (params or {}).get(rid, greedy),
+                    "tiny",
+                    time.time(),
+                    salt=(salts or {}).get(rid),
+                )
+                for rid, prompt in prompts.items()
+            ],
+        )
+        with KVClient(endpoint) as kv:
+            engine = Engine(
+                "w-test", model, tokenizer, kv, r, SchedulerConfig(max_num_seqs, 64), PROFILE
+            )
+            deadline = time.monotonic() + 120
+            steps = max_used = 0
+            while time.monotonic() < deadline:
+                engine.step(block_ms=50)
+                steps += 1
+                # The kvstore holds exactly the tokens the worker reported, no more, no fewer.
+                live = kv.call(p.GetStats(0))
+                max_used = max(max_used, live.gpu.used)
+                rows = {row.req_id: row for row in live.requests}
+                for seq in engine.scheduler.running():
+                    assert rows[seq.seq_id].tokens == seq.num_reported, seq.seq_id
+                streamed = {rid: queue.read_streamed(r, rid) for rid in prompts}
+                if all(s.final for s in streamed.values()) and not engine.active:
+                    break
+            stats = kv.call(p.GetStats())
+        outputs = {rid: s.sequences[0].token_ids for rid, s in streamed.items()}
+        cached = {}
+        for rid in prompts:
+            entries = r.xrange(queue.output_key(rid))
+            cached[rid] = queue.decode_output(entries[-1][1][b"rec"]).cached_tokens
+        return Served(outputs, stats, cached, steps, max_used, streamed)
+    finally:
+        stop_process(process)
+
+
+def prompts_of(
+    lengths: list[int], seed: int, shared: list[int] | None = None
+) -> dict[str, list[int]]:
+    rng = random.Random(seed)
+    return {
+        f"req{i}": (shared or []) + [rng.randrange(256) for _ in range(n)]
+        for i, n in enumerate(lengths)
+    }
+
+
+class TakenOver(NamedTuple):
+    streamed: queue.Streamed  # the request's output, every sequence
+    computed_by_w2: int  # tokens the second worker ran through the model
+    stats: p.Stats  # the kvstore's, at the end
+
+
+def kill_and_take_over(
+    redis_url: str,
+    tiny: tuple,
+    prompt: list[int],
+    params: queue.SamplingParams,
+    w1_dies: Callable[[Engine, queue.Streamed], bool],
+) -> TakenOver:
+    """Worker w1 serves the request until ``w1_dies`` says so, then dies (it stops: no step,
+    no heartbeat, no ack, exactly what the kvstore and Redis see of a SIGKILL). Worker w2 takes
+    the request over and finishes it."""
+    model, tokenizer, _ = tiny
+    process, endpoint = start_kvstore(
+        "--model", "tiny", "--dtype", "float32", "--kv-memory", "0.01GiB",
+        "--lease-timeout-s", "0.5",
+    )  # fmt: skip
+    try:
+        r = redis.Redis.from_url(redis_url)
+        r.flushdb()
+        submit(redis_url, [queue.RequestRecord("crash", prompt, params, "tiny", time.time())])
+        config = SchedulerConfig(8, 64)
+        with KVClient(endpoint) as kv1, KVClient(endpoint) as kv2:
+            w1 = Engine("w1", model, tokenizer, kv1, r, config, PROFILE, claim_idle_ms=1000)
+            while not w1_dies(w1, queue.read_streamed(r, "crash")):
+                w1.step(block_ms=50)
+            del w1
+            w2 = Engine("w2", model, tokenizer, kv2, r, config, PROFILE, claim_idle_ms=1000)
+            deadline = time.monotonic() + 60
+            while not queue.read_streamed(r, "crash").final:
+                assert time.monotonic() < deadline, "w2 never finished the request"
+                w2.step(block_ms=50)
+            stats = kv2.call(p.GetStats())
+        return TakenOver(queue.read_streamed(r, "crash"), w2.tokens_computed, stats)
+    finally:
+        stop_process(process)
