@@ -1,4 +1,5 @@
-# pagedserve: `make serve` runs the stack, `make test` runs the CPU test suite.
+# pagedserve: `make serve` runs the stack (flags for `pagedserve up` in SERVE_ARGS, e.g.
+# SERVE_ARGS="--port 8001 --workers 2"), `make test` runs the CPU test suite.
 # Both create .venv on a fresh machine. torch==2.13.0 is installed first: a local CPU build where
 # one is provided, the CUDA build of the same version on GPU hosts.
 PYTHON ?= python3
@@ -6,6 +7,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
+SERVE_ARGS ?=
 
 .PHONY: serve test lint bench-rpc clean
 
@@ -17,7 +19,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 serve: $(STAMP)
-	$(VENV)/bin/pagedserve up
+	$(VENV)/bin/pagedserve up $(SERVE_ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -188,10 +188,14 @@ class Engine:
                 branch.stop.append(token)
         return 1
 
+    def _decode(self, token_ids: list[int]) -> str:
+        """Output text, special tokens (BOS, PAD, ...) left out as vLLM does by default."""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
     def _add_branch(self, active: Active, seq: Sequence, index: int) -> Branch:
         record = active.record
         context = record.prompt_token_ids[-4:]
-        stop = StopChecker(record.params, self.eos_ids, self.tokenizer.decode, context)
+        stop = StopChecker(record.params, self.eos_ids, self._decode, context)
         branch = Branch(index, seq, stop)
         active.branches[index] = branch
         self.branch_of[seq.seq_id] = (active, branch)
@@ -288,7 +292,7 @@ class Engine:
         if not beams.done:
             return []
         active.live = 0
-        best = beams.best(active.record.params.n, self.tokenizer.decode)
+        best = beams.best(active.record.params.n, self._decode)
         return [
             output_record(active, k, tokens, reason, k == len(best) - 1, text)
             for k, (tokens, reason, text) in enumerate(best)

@@ -2,11 +2,8 @@
 checkpoint directory. Every model is loaded with the paged attention function
 (``attn_implementation="paged"``, see ``compute.attention``).
 
-The byte tokenizer is a real ``PreTrainedTokenizerFast`` (byte-level pre-tokenizer, a BPE model
-with 256 byte symbols and no merges): ids 0-255 are the bytes, 256 BOS ``<s>``, 257 EOS ``</s>``,
-258 PAD ``<pad>``, matching ``pagedserve.model_config.tiny_config()``. It saves and loads back with
-``save_pretrained`` / ``AutoTokenizer.from_pretrained``, so a saved tiny model is a checkpoint
-like any other.
+Tokenizers (the byte tokenizer of ``tiny``, or the checkpoint's) come from
+``pagedserve.tokenizer``, the one implementation the gateway uses too.
 """
 
 from __future__ import annotations
@@ -20,54 +17,30 @@ import torch
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
-    AutoTokenizer,
     PreTrainedModel,
     PreTrainedTokenizerBase,
-    PreTrainedTokenizerFast,
 )
 
 from compute.attention import ATTN_NAME
-from pagedserve.model_config import TINY, tiny_config
+from pagedserve.model_config import TINY, resolve_dtype, tiny_config
+from pagedserve.tokenizer import BOS, EOS, PAD, byte_tokenizer, load_tokenizer
 
-__all__ = ["FAMILIES", "TINY_SEED", "byte_tokenizer", "load_model", "tiny_family_config"]
+__all__ = [
+    "BOS",
+    "EOS",
+    "FAMILIES",
+    "PAD",
+    "TINY_SEED",
+    "byte_tokenizer",
+    "load_model",
+    "tiny_family_config",
+]
 
 log = logging.getLogger("pagedserve.compute")
 
 TINY_SEED = 0
-BOS, EOS, PAD = 256, 257, 258
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character map (what tokenizers' ByteLevel pre-tokenizer emits)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
-    printable += range(ord("®"), ord("ÿ") + 1)
-    chars = list(printable)
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {b: chr(c) for b, c in zip(printable, chars, strict=True)}
-
-
-def byte_tokenizer() -> PreTrainedTokenizerFast:
-    """The byte-level tokenizer of ``tiny``: token id = byte value; encoding prepends BOS."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-
-    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
-    vocab |= {"<s>": BOS, "</s>": EOS, "<pad>": PAD}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", BOS)]
-    )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
-    )
 
 
 def tiny_family_config(family: str) -> Any:
@@ -102,25 +75,24 @@ def tiny_family_config(family: str) -> Any:
     raise ValueError(f"unknown family {family!r}; choose one of {FAMILIES}")
 
 
-def _torch_dtype(dtype: str, config: Any) -> torch.dtype:
-    if dtype == "auto":
-        text = getattr(config, "get_text_config", lambda: config)()
-        dtype = str(getattr(text, "dtype", None) or "float32").removeprefix("torch.")
-    if dtype not in DTYPES:
-        raise ValueError(f"unsupported dtype {dtype!r}; choose auto or one of {sorted(DTYPES)}")
-    return DTYPES[dtype]
+def _torch_dtype(config: Any, dtype: str, device: str) -> torch.dtype:
+    name = resolve_dtype(config, dtype, device)
+    if name not in DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}; choose auto or one of {sorted(DTYPES)}")
+    return DTYPES[name]
 
 
 def load_model(
     model: str, dtype: str, device: str
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Loads ``model`` (``tiny`` or a local checkpoint directory) in eval mode on ``device`` with
-    paged attention. ``dtype``: ``auto`` (the config's, fp32 if none) or float32/float16/bfloat16.
-    Nothing is downloaded (``local_files_only=True``)."""
+        paged attention. ``dtype``: float32/float16/bfloat16 or ``auto`` (``resolve_dtype``: the
+    config's, fp32 if none, bf16 on CUDA instead of fp32).
+        Nothing is downloaded (``local_files_only=True``)."""
     started = time.perf_counter()
     if model == TINY:
         config = tiny_config()
-        torch_dtype = _torch_dtype(dtype, config)
+        torch_dtype = _torch_dtype(config, dtype, device)
         log.info("building tiny random model (seed %d, %s)", TINY_SEED, torch_dtype)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(TINY_SEED)
@@ -133,7 +105,7 @@ def load_model(
         if not path.is_dir():
             raise FileNotFoundError(f"model {model!r} is neither 'tiny' nor a local directory")
         config = AutoConfig.from_pretrained(path, local_files_only=True)
-        torch_dtype = _torch_dtype(dtype, config)
+        torch_dtype = _torch_dtype(config, dtype, device)
         log.info(
             "loading %s (%s) from %s as %s",
             config.model_type,
@@ -145,7 +117,7 @@ def load_model(
             path, local_files_only=True, dtype=torch_dtype, attn_implementation=ATTN_NAME
         )
         log.info("weights loaded in %.1f s; loading tokenizer", time.perf_counter() - started)
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        tokenizer = load_tokenizer(model)
     log.info("moving model to %s", device)
     net = net.to(device).eval()
     params = sum(p.numel() for p in net.parameters())

@@ -10,6 +10,8 @@ Keys (all under ``pagedserve:``)::
     pagedserve:requests        stream of RequestRecord; consumer group "pagedserve:workers"
     pagedserve:out:{req_id}    stream of OutputRecord (token deltas) for one request
     pagedserve:abort:{req_id}  string "1": the client went away (SET EX ABORT_TTL_S)
+    pagedserve:wake:{reader}   stream (MAXLEN ~16, EXPIRE WAKE_TTL_S): wakes a reader's
+                               blocked ``read_outputs`` so it adds new requests' streams
 
 An entry's fields: ``v`` (record version, b"1"), ``rec`` (one msgspec Struct as MessagePack) and,
 for requests, ``id`` (the req_id in clear, so a malformed record can still be answered).
@@ -30,6 +32,11 @@ Lifecycle and cleanup:
   ``OUTPUT_IDLE_TTL_S`` while running (so a stream of a request nobody finishes still goes
   away), ``OUTPUT_TTL_S`` after its final record.
 - Abort keys expire by themselves after ``ABORT_TTL_S``.
+
+A gateway reads all its requests' output streams with one blocking ``read_outputs`` (one XREAD
+over every stream, one round trip per worker step instead of one per request); ``wake`` makes
+that XREAD return at once when a request is added (an entry in the reader's wake stream, so a
+wake sent before the XREAD starts is not lost). ``stream_output`` reads one request's stream.
 
 Malformed entries (garbage, another version, an unknown shape) raise ``RecordError`` from the
 ``decode_*`` functions. The reader loops never crash on them: ``read_requests``/``claim_stale``
@@ -83,6 +90,7 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
             (self.n >= 1, "n must be at least 1"),
             (self.beam_width >= 1, "beam_width must be at least 1"),
             (self.beam_width == 1 or self.n <= self.beam_width, "n must be <= beam_width"),
+            (self.beam_width == 1 or not self.stop, "stop strings do not apply to beam search"),
         ]
         for ok, message in checks:
             if not ok:
@@ -101,6 +109,7 @@ ABORT_TTL_S = 3600  # must outlast the longest wait in the queue
 CLAIM_IDLE_MS = 30_000  # a pending request untouched this long belongs to a dead worker
 MAX_DELIVERIES = 3  # deliveries (first read + claims) before a request is failed
 STREAM_READ_COUNT = 256  # entries per XREAD in stream_output
+WAKE_TTL_S = 3600  # a wake stream outlives its reader by at most this
 
 
 def output_key(req_id: str) -> str:
@@ -109,6 +118,13 @@ def output_key(req_id: str) -> str:
 
 def abort_key(req_id: str) -> str:
     return f"{KEY_PREFIX}abort:{req_id}"
+
+
+def wake_key(reader: str) -> str:
+    return f"{KEY_PREFIX}wake:{reader}"
+
+
+_OUTPUT_PREFIX = output_key("")
 
 
 # ---------------------------------------------------------------- records
@@ -144,7 +160,9 @@ class OutputRecord(
     carries the finish_reason): readers stop there and no record follows it. An abort or error of
     the whole request is one record with ``final`` (any index). ``error`` is set with finish_reason
     "error". ``prompt_tokens`` and ``cached_tokens`` (prefix-cache hit) are the same on every
-    record of a request.
+    record of a request. ``text``: the output text these tokens add, as the worker's stop checker
+    released it (a stop string and an incomplete UTF-8 character are never in it; the held-back
+    characters come with a later record): clients stream ``text``, not a decode of the tokens.
     """
 
     req_id: str
@@ -156,6 +174,7 @@ class OutputRecord(
     prompt_tokens: int = 0
     cached_tokens: int = 0
     final: bool = False
+    text: str = ""
 
 
 class StreamedSequence(msgspec.Struct):
@@ -483,3 +502,51 @@ async def stream_output(
                 yield record
                 if record.final:
                     return
+
+
+async def wake(r: redis.asyncio.Redis, reader: str) -> None:
+    """Makes ``reader``'s ``read_outputs`` return now (or at once, if it has not started)."""
+    async with r.pipeline(transaction=False) as pipe:
+        pipe.xadd(wake_key(reader), {"v": _VERSION}, maxlen=16, approximate=True)
+        pipe.expire(wake_key(reader), WAKE_TTL_S)
+        await pipe.execute()
+
+
+async def read_outputs(
+    r: redis.asyncio.Redis,
+    cursors: dict[str, str],
+    reader: str,
+    wake_cursor: str = "0-0",
+    block_ms: int = 1000,
+) -> tuple[list[tuple[str, str, OutputRecord]], str]:
+    """New deltas of many requests in one XREAD: ``cursors`` maps each req_id to the last entry
+    id read from its output stream ("0-0": from the start). Blocks up to ``block_ms`` until one
+    has an entry or ``reader`` is woken (``wake``; ``wake_cursor`` is the last wake entry seen).
+    Returns ``[(req_id, entry_id, record)]`` in stream order per request, and the new wake
+    cursor. A malformed entry comes back as a final "error" record (read no further)."""
+    _check_bytes(r)
+    streams = {output_key(req_id): cursor for req_id, cursor in cursors.items()}
+    streams[wake_key(reader)] = wake_cursor
+    reply = await r.xread(streams, count=STREAM_READ_COUNT, block=block_ms)
+    out: list[tuple[str, str, OutputRecord]] = []
+    for key, entries in _streams(reply):
+        name = _s(key)
+        if name == wake_key(reader):
+            wake_cursor = _s(entries[-1][0]) if entries else wake_cursor
+            continue
+        req_id = name[len(_OUTPUT_PREFIX) :]
+        for entry_id, fields in entries:
+            try:
+                record = decode_output(_payload(entry_id, fields))
+            except RecordError as err:
+                log.warning("output of %s: %s", req_id, err)
+                out.append((req_id, _s(entry_id), _error_record(req_id, str(err))))
+                break
+            out.append((req_id, _s(entry_id), record))
+            if record.final:
+                break
+    return out, wake_cursor
+
+
+def _error_record(req_id: str, message: str) -> OutputRecord:
+    return OutputRecord(req_id, finish_reason="error", error=message, final=True)

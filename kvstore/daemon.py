@@ -121,10 +121,11 @@ def build_service(config: KVStoreConfig) -> tuple[KVService, DevicePools]:
     ValueError on a flag that makes no sense (memory sizes, dtype)."""
     disable_expandable_segments()
     from kvstore.device import DevicePools, blocks_for_memory, blocks_in_gib
-    from pagedserve.model_config import kv_geometry, load_config
+    from pagedserve.model_config import kv_geometry, load_config, resolve_dtype
 
     device = resolve_device(config.device)
-    geometry = kv_geometry(load_config(config.model), config.dtype)
+    model_config = load_config(config.model)
+    geometry = kv_geometry(model_config, resolve_dtype(model_config, config.dtype, device))
     block_bytes = geometry.block_bytes(config.block_size)
     kv_memory = config.kv_memory
     if kv_memory == "auto":

@@ -59,6 +59,18 @@ def load_config(model: str) -> Any:
     return AutoConfig.from_pretrained(model, local_files_only=True)
 
 
+def resolve_dtype(config: Any, dtype: str, device: str) -> str:
+    """The model and KV dtype for ``dtype`` (a name or 'auto') on ``device``: 'auto' takes the
+    config's (float32 if none), except that float32 becomes bfloat16 on CUDA, where the Triton
+    kernels take half precision only. The kvstore and the workers both resolve through here, so
+    their pools agree."""
+    if dtype != "auto":
+        return dtype
+    text = getattr(config, "get_text_config", lambda: config)()
+    dtype = str(getattr(text, "dtype", None) or "float32").removeprefix("torch.")
+    return "bfloat16" if dtype == "float32" and device.startswith("cuda") else dtype
+
+
 def kv_geometry(config: Any, dtype: str) -> KVGeometry:
     """KV geometry from a transformers config; ``dtype`` 'auto' takes the config's own."""
     text = getattr(config, "get_text_config", lambda: config)()

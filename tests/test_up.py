@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 import uuid
 
 import redis
@@ -18,6 +20,7 @@ from gateway import queue
 from kvstore import protocol as p
 from kvstore.client import KVClient
 from pagedserve.cli import spawn_process
+from pagedserve.redis_server import free_port
 from tests.conftest import ROOT
 
 
@@ -43,10 +46,30 @@ def wait_final(
     return streamed
 
 
+def stream_one_completion(example: str) -> str:
+    """Runs the curl command `pagedserve up` prints (its URL and body) with urllib; the text."""
+    url = example.split("curl -N ")[1].split(" ")[0]
+    body = example.split("-d '")[1].rstrip("'\n")
+    request = urllib.request.Request(url, data=body.encode(), method="POST")
+    text, done = [], False
+    with urllib.request.urlopen(request, timeout=60) as response:
+        assert response.headers["Content-Type"].startswith("text/event-stream")
+        for raw in response:
+            line = raw.decode().strip()
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: "):
+                text += [c["text"] for c in json.loads(line[6:])["choices"]]
+    assert done
+    return "".join(text)
+
+
 def test_up_serves_and_stops_on_ctrl_c() -> None:
     endpoint = f"ipc:///tmp/pagedserve-up-{uuid.uuid4().hex[:8]}.sock"
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}  # the embedded Redis
+    env.pop("PAGEDSERVE_ADMIN_TOKEN", None)  # up generates one
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    port = free_port()
     cmd = [
         sys.executable,
         "-m",
@@ -56,13 +79,15 @@ def test_up_serves_and_stops_on_ctrl_c() -> None:
         endpoint,
         "--device",
         "cpu",
+        "--port",
+        str(port),
         "--kvstore-args",
         "--kv-memory 0.05GiB --swap-memory 0.01",
     ]
     signalled = False
     up = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + 120
         lines = []
         while time.monotonic() < deadline:
             line = up.stdout.readline()  # type: ignore[union-attr]
@@ -70,7 +95,18 @@ def test_up_serves_and_stops_on_ctrl_c() -> None:
             if "pagedserve is up" in line or not line:
                 break
         assert "pagedserve is up" in lines[-1], "".join(lines)
+        assert f"http://127.0.0.1:{port}" in lines[-1]
         redis_url = lines[-1].split("redis ")[1].split(",")[0]
+        token_line = up.stdout.readline()  # type: ignore[union-attr]
+        example = up.stdout.readline()  # type: ignore[union-attr]
+        assert token_line.startswith("admin token (PAGEDSERVE_ADMIN_TOKEN): "), token_line
+        token = token_line.split(": ")[1].strip()
+        # the printed example works as printed, the printed token opens the admin API
+        assert len(stream_one_completion(example)) > 0
+        admin = urllib.request.Request(f"http://127.0.0.1:{port}/admin/cache")
+        admin.add_header("Authorization", f"Bearer {token}")
+        with urllib.request.urlopen(admin, timeout=10) as response:
+            assert json.loads(response.read())["prefix_cache"]["lookups"] >= 1
         with KVClient(endpoint, timeout_s=5) as client:
             assert len(client.call(p.GetStats()).workers) == 1
         # One request through the running stack: Redis -> the worker process -> Redis.
@@ -97,6 +133,7 @@ def test_up_serves_and_stops_on_ctrl_c() -> None:
     assert "draining 1 requests" in log, log
     worker_stopped = re.search(r"worker \S+ stopped", log)
     assert worker_stopped and "kvstore stopped" in log[worker_stopped.end() :], log
+    assert "gateway stopped" in log[: worker_stopped.start()], log  # the gateway stops first
     assert not os.path.exists(endpoint.removeprefix("ipc://"))
     try:
         redis.Redis.from_url(redis_url, socket_connect_timeout=1).ping()

@@ -95,3 +95,16 @@ def test_missing_directory_and_bad_dtype(tmp_path: Path) -> None:
         load_model("tiny", "float64", "cpu")
     with pytest.raises(ValueError, match="unknown family"):
         tiny_family_config("gpt2")
+
+
+def test_auto_dtype_is_the_configs_but_half_precision_on_cuda() -> None:
+    """The kvstore and the workers resolve 'auto' alike; on CUDA fp32 becomes bf16 (the Triton
+    kernels take fp16/bf16 only)."""
+    from pagedserve.model_config import resolve_dtype, tiny_config
+
+    config = tiny_config()  # no dtype: fp32
+    assert resolve_dtype(config, "auto", "cpu") == "float32"
+    assert resolve_dtype(config, "auto", "cuda:0") == "bfloat16"
+    assert resolve_dtype(config, "float16", "cuda") == "float16"
+    config.dtype = "float16"
+    assert resolve_dtype(config, "auto", "cuda") == "float16"

@@ -328,3 +328,37 @@ def test_reader_recreates_a_lost_group(r: redis.Redis, url: str) -> None:
     assert q.read_requests(r, "w1") == []
     run(submit_all(url, [request("a")]))
     assert [rec.req_id for _, rec in q.read_requests(r, "w1")] == ["a"]
+
+
+def test_read_outputs_reads_many_streams_in_one_call_and_wakes(r: redis.Redis, url: str) -> None:
+    async def scenario() -> tuple[list[tuple[str, str, OutputRecord]], float, list[str]]:
+        ar = redis.asyncio.Redis.from_url(url)
+        try:
+            q.publish(r, [OutputRecord("a", 0, [1]), OutputRecord("b", 0, [2], final=True)])
+            r.xadd(q.output_key("b"), {"v": b"1", "rec": q.encode(OutputRecord("b", 0, [9]))})
+            got, wake = await q.read_outputs(ar, {"a": "0-0", "b": "0-0", "c": "0-0"}, "g1")
+            # a blocked read returns as soon as its reader is woken, with nothing to read
+            started = time.monotonic()
+            reader = asyncio.create_task(q.read_outputs(ar, {"c": "0-0"}, "g1", wake, 5000))
+            await asyncio.sleep(0.1)
+            await q.wake(ar, "g1")
+            empty, _ = await asyncio.wait_for(reader, 5)
+            waited = time.monotonic() - started
+            # a wake sent before the read starts is not lost
+            await q.wake(ar, "g1")
+            _, newer = await asyncio.wait_for(q.read_outputs(ar, {}, "g1", wake, 5000), 1)
+            r.xadd(q.output_key("c"), {"v": b"1", "rec": b"\xc1"})
+            bad, _ = await q.read_outputs(ar, {"c": "0-0"}, "g1", newer, 100)
+            return got + empty + bad, waited, [wake, newer]
+        finally:
+            await ar.aclose()
+
+    records, waited, wakes = run(scenario())
+    # per stream in order, nothing after a final record, then the malformed entry as an error
+    assert [(req_id, rec.token_ids, rec.final) for req_id, _, rec in records[:2]] == [
+        ("a", [1], False),
+        ("b", [2], True),
+    ]
+    assert records[2][0] == "c" and records[2][2].finish_reason == "error" and records[2][2].final
+    assert len(records) == 3 and waited < 2
+    assert wakes[0] != wakes[1] and r.ttl(q.wake_key("g1")) > 0

@@ -1,0 +1,156 @@
+"""The gateway's aiohttp app (``create_app``) and server (``run``: ``pagedserve gateway``).
+
+Routes: the OpenAI API (``gateway.openai_api``), ``GET /v1/models[/{id}]``, ``GET /health``,
+``GET /metrics``, the admin API (``gateway.admin``). Requests go to Redis (``gateway.queue``), the
+kvstore is asked only for health, metrics and the admin API. The server runs with aiohttp's
+handler cancellation on, so a client that disconnects cancels its handler, which aborts its
+request (``Generation.close``). On SIGINT/SIGTERM it stops accepting connections, lets requests in
+flight finish for ``--shutdown-timeout-s``, then cancels (aborts) the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+
+import redis
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from gateway import admin, openai_api
+from gateway.config import ADMIN_TOKEN_ENV, GatewayConfig
+from gateway.errors import APIError, error_middleware
+from gateway.kvclient import KVStoreError, KVStoreTimeout
+from gateway.metrics import Metrics, Snapshot
+from gateway.prepare import ModelInfo
+from gateway.state import STATE, AppState
+from kvstore import protocol as p
+
+log = logging.getLogger("pagedserve.gateway")
+HEALTH_TIMEOUT_S = 1.0
+
+
+def create_app(config: GatewayConfig, model: ModelInfo, admin_token: str | None) -> web.Application:
+    """The app; Redis and kvstore clients are opened when it starts (its cleanup context)."""
+    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[error_middleware])
+    state = AppState(config, model, admin_token or None, Metrics(model.name))
+    app[STATE] = state
+    app.cleanup_ctx.append(state.connections)
+    app.add_routes(
+        [
+            *openai_api.routes(),
+            web.get("/v1/models", models),
+            web.get("/v1/models/{model}", model_info),
+            web.get("/health", health),
+            web.get("/metrics", metrics),
+            *admin.routes(),
+        ]
+    )
+    return app
+
+
+def _model_card(state: AppState) -> dict[str, object]:
+    return {
+        "id": state.model.name,
+        "object": "model",
+        "created": state.model.created,
+        "owned_by": "pagedserve",
+        "root": state.config.model,
+        "max_model_len": state.model.context_len,
+    }
+
+
+async def models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [_model_card(request.app[STATE])]})
+
+
+async def model_info(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    name = request.match_info["model"]
+    openai_api.check_model(state, name)
+    return web.json_response(_model_card(state))
+
+
+async def health(request: web.Request) -> web.Response:
+    """200 when Redis and the kvstore answer and a worker was heard from within
+    ``--worker-idle-s``; else 503 saying what is down."""
+    state = request.app[STATE]
+    down: list[str] = []
+    body: dict[str, object] = {}
+    try:
+        await state.kv.call(p.Ping(), timeout_s=HEALTH_TIMEOUT_S)
+        stats = await state.kv.call(p.GetStats(0), timeout_s=HEALTH_TIMEOUT_S)
+        assert isinstance(stats, p.Stats)
+        alive = [w.worker_id for w in stats.workers if w.idle_s <= state.config.worker_idle_s]
+        body["kvstore"] = "up"
+        body["workers"] = {"alive": len(alive), "registered": len(stats.workers)}
+        if not alive:
+            down.append(
+                f"workers: none alive ({len(stats.workers)} registered, none heard from in "
+                f"{state.config.worker_idle_s} s)"
+            )
+    except (KVStoreTimeout, KVStoreError) as err:
+        body["kvstore"] = "down"
+        down.append(f"kvstore at {state.config.kvstore}: {err}")
+    try:
+        await state.redis.ping()
+        body["redis"] = "up"
+    except redis.RedisError as err:
+        body["redis"] = "down"
+        down.append(f"redis: {err}")
+    body = {"status": "unavailable" if down else "ok", **body, "down": down}
+    return web.json_response(body, status=503 if down else 200)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    stats = None
+    try:
+        stats = await state.kv.stats(0)
+    except (KVStoreTimeout, KVStoreError) as err:
+        log.warning("metrics without the kvstore's part: %s", err)
+    try:
+        queued = await state.queue_length(fresh=True)
+    except redis.RedisError as err:
+        raise APIError(503, f"redis: {err}", code="redis_unavailable") from err
+    body = state.metrics.render(Snapshot(stats, queued))
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def run(config: GatewayConfig) -> None:
+    """``pagedserve gateway``: loads the tokenizer and serves until SIGINT/SIGTERM."""
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    admin_token = os.environ.get(ADMIN_TOKEN_ENV) or None
+    if admin_token is None:
+        log.warning("%s is not set: the admin API is disabled (403)", ADMIN_TOKEN_ENV)
+    model = ModelInfo.load(config)
+    log.info(
+        "model %s (%s): context %d tokens, chat template: %s",
+        model.name,
+        config.model,
+        model.context_len,
+        "the tokenizer's" if getattr(model.tokenizer, "chat_template", None) else "plain",
+    )
+    asyncio.run(serve(create_app(config, model, admin_token), config))
+
+
+async def serve(app: web.Application, config: GatewayConfig) -> None:
+    runner = web.AppRunner(
+        app, handler_cancellation=True, shutdown_timeout=config.shutdown_timeout_s
+    )
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port, backlog=2048)
+    await site.start()
+    log.info("gateway listening on http://%s:%d", config.host, config.port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    await stop.wait()
+    log.info("stopping: requests in flight get %.0f s to finish", config.shutdown_timeout_s)
+    await runner.cleanup()
+    log.info("gateway stopped")

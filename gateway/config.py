@@ -1,0 +1,88 @@
+"""``pagedserve gateway`` options (a frozen dataclass turned into argparse flags).
+
+The admin API's bearer token is not an option (it would show in ``ps``): it comes from the
+environment variable ``PAGEDSERVE_ADMIN_TOKEN``. Unset or empty, the admin API is disabled and
+every ``/admin/`` call answers 403.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvstore.daemon import DEFAULT_ENDPOINT
+
+ADMIN_TOKEN_ENV = "PAGEDSERVE_ADMIN_TOKEN"
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    model: str = field(
+        default="tiny",
+        metadata={
+            "help": "local Hugging Face checkpoint directory or 'tiny': the tokenizer, chat "
+            "template and context length (no weights are loaded); must match the workers'"
+        },
+    )
+    served_model_name: str = field(
+        default="",
+        metadata={
+            "help": "the model name clients send and /v1/models lists; empty: 'tiny' or the "
+            "checkpoint directory's basename"
+        },
+    )
+    host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
+    port: int = field(default=8000, metadata={"help": "TCP port to listen on"})
+    redis_url: str = field(
+        default="redis://127.0.0.1:6379/0",
+        metadata={"help": "Redis holding the request queue and output streams"},
+    )
+    kvstore: str = field(
+        default=DEFAULT_ENDPOINT,
+        metadata={"help": "the kvstore's endpoint (health, /metrics and the admin API)"},
+    )
+    max_body_bytes: int = field(
+        default=8 * 1024 * 1024,
+        metadata={"help": "largest request body accepted; larger ones get 413"},
+    )
+    max_model_len: int = field(
+        default=0,
+        metadata={
+            "help": "context length (prompt + max_tokens) to enforce; 0 takes the model "
+            "config's max_position_embeddings"
+        },
+    )
+    max_n: int = field(
+        default=128,
+        metadata={"help": "largest n, best_of and beam_width a request may ask for"},
+    )
+    max_queued: int = field(
+        default=4096,
+        metadata={
+            "help": "requests waiting or running in Redis beyond which new ones get 503 "
+            "(back-pressure; the stream is never trimmed)"
+        },
+    )
+    worker_idle_s: float = field(
+        default=10.0,
+        metadata={
+            "help": "/health counts a worker alive if the kvstore heard from it this recently "
+            "(the kvstore's --lease-timeout-s)"
+        },
+    )
+    kvstore_timeout_s: float = field(
+        default=2.0, metadata={"help": "how long to wait for a kvstore reply"}
+    )
+    shutdown_timeout_s: float = field(
+        default=30.0,
+        metadata={
+            "help": "on SIGINT/SIGTERM, how long requests in flight may take to finish "
+            "before they are aborted"
+        },
+    )
+    log_level: str = field(default="INFO", metadata={"help": "logging level"})
+
+    def model_name(self) -> str:
+        """The served model name: the flag, else 'tiny' or the directory's basename."""
+        if self.served_model_name:
+            return self.served_model_name
+        return self.model.rstrip("/").rsplit("/", 1)[-1] or self.model

@@ -1,0 +1,211 @@
+"""One HTTP request's generation: submit to Redis, read the deltas back, hand out their text.
+
+A request with several prompts becomes one ``RequestRecord`` per prompt (``{id}-{i}``; a single
+prompt keeps ``{id}``); each prompt has ``n`` sequences and choice ``i * n + k`` is sequence ``k``
+of prompt ``i``.
+
+Text. The gateway does not detokenize: each ``OutputRecord`` carries the ``text`` its tokens
+add, as the worker's stop checker released it (the worker decides where a stop string cuts, and
+holds back the start of a possible stop string and incomplete UTF-8 characters), so what a
+client sees is exactly what the worker stopped on. ``completion_tokens`` counts every token the
+workers sampled, a stop token or the tokens of a stop string included.
+
+Lifecycle. ``Generation.deltas()`` yields lists of ``Delta`` until every sequence has finished;
+``close()`` (always call it, e.g. in ``finally``) aborts the prompts whose final record has not
+come, so a client that disconnects frees its blocks. A final "error" record raises
+``GenerationError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import redis.asyncio
+
+from gateway import queue
+from gateway.metrics import Metrics
+from gateway.prepare import ModelInfo, Prepared
+from gateway.router import OutputRouter
+
+_background: set[asyncio.Task[None]] = set()  # aborts that must outlive a cancelled handler
+
+
+class GenerationError(Exception):
+    """A worker failed the request (a final record with finish_reason "error"), or the output
+    could not be read."""
+
+
+@dataclass
+class Delta:
+    """New text of one choice; ``finish_reason`` set on its last delta."""
+
+    index: int
+    text: str
+    finish_reason: str | None = None
+
+
+@dataclass
+class _Sequence:
+    index: int  # choice index
+    tokens: int = 0
+    finish_reason: str | None = None
+    last_at: float | None = None
+
+
+@dataclass
+class _Prompt:
+    req_id: str
+    token_ids: list[int]
+    sequences: list[_Sequence]
+    cached_tokens: int = 0
+    final: bool = False  # the worker sent the final record
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+@dataclass
+class Generation:
+    r: redis.asyncio.Redis
+    router: OutputRouter
+    model: ModelInfo
+    request: Prepared
+    request_id: str
+    metrics: Metrics
+    arrival: float = field(default_factory=time.monotonic)
+    prompts: list[_Prompt] = field(default_factory=list)
+    _first_token: bool = False
+    _closed: bool = False
+    _inbox: asyncio.Queue[tuple[int, queue.OutputRecord | Exception]] = field(
+        default_factory=asyncio.Queue
+    )
+
+    def __post_init__(self) -> None:
+        n = self.request.params.n
+        single = len(self.request.prompts) == 1
+        for i, ids in enumerate(self.request.prompts):
+            req_id = self.request_id if single else f"{self.request_id}-{i}"
+            self.prompts.append(_Prompt(req_id, ids, [_Sequence(i * n + k) for k in range(n)]))
+
+    async def submit(self) -> None:
+        """Subscribes to every prompt's output and queues it (concurrently: the router's XREAD
+        takes the new streams in while the request travels to a worker)."""
+        inbox = self._inbox
+        for i, prompt in enumerate(self.prompts):
+            sink = functools.partial(lambda i, item: inbox.put_nowait((i, item)), i)
+            self.router.add(prompt.req_id, sink)
+        now = time.time()
+        records = [
+            queue.RequestRecord(
+                prompt.req_id,
+                prompt.token_ids,
+                self.request.params,
+                self.model.name,
+                now,
+                self.request.salt,
+                self.request.priority,
+            )
+            for prompt in self.prompts
+        ]
+        await asyncio.gather(self.router.wake(), *(queue.submit(self.r, rec) for rec in records))
+
+    async def deltas(self) -> AsyncIterator[list[Delta]]:
+        """The text deltas, record by record, until every sequence finished."""
+        try:
+            async for i, record in self._records():
+                deltas = self._apply(self.prompts[i], record)
+                if deltas:
+                    yield deltas
+        except GenerationError:
+            self.metrics.finished("error", self.usage().prompt_tokens, self.elapsed())
+            raise
+        self.metrics.finished(self.finish_reason(), self.usage().prompt_tokens, self.elapsed())
+
+    def usage(self) -> Usage:
+        return Usage(
+            sum(len(p.token_ids) for p in self.prompts),
+            sum(s.tokens for p in self.prompts for s in p.sequences),
+            sum(p.cached_tokens for p in self.prompts),
+        )
+
+    def finish_reason(self) -> str:
+        return self.prompts[0].sequences[0].finish_reason or "abort"
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.arrival
+
+    async def close(self) -> None:
+        """Aborts the prompts whose worker has not sent its final record. Safe to call from a
+        cancelled task (the abort runs in a task of its own)."""
+        if self._closed:
+            return
+        self._closed = True
+        for prompt in self.prompts:
+            self.router.unsubscribe(prompt.req_id)
+        unfinished = [p.req_id for p in self.prompts if not p.final]
+        if not unfinished:
+            return
+        task = asyncio.get_running_loop().create_task(self._abort(unfinished))
+        _background.add(task)
+        task.add_done_callback(_background.discard)
+        await asyncio.shield(task)
+
+    async def _abort(self, req_ids: list[str]) -> None:
+        for req_id in req_ids:
+            await queue.abort(self.r, req_id)
+
+    async def _records(self) -> AsyncIterator[tuple[int, queue.OutputRecord]]:
+        """(prompt index, record) from every prompt's output stream (``submit`` subscribed),
+        merged as they come, until each prompt's final record."""
+        while not all(prompt.final for prompt in self.prompts):
+            i, item = await self._inbox.get()
+            if isinstance(item, Exception):
+                raise GenerationError(f"reading the output failed: {item}") from item
+            yield i, item
+
+    def _apply(self, prompt: _Prompt, record: queue.OutputRecord) -> list[Delta]:
+        prompt.cached_tokens = record.cached_tokens
+        prompt.final = prompt.final or record.final
+        if record.finish_reason == "error":
+            raise GenerationError(record.error or "the worker failed the request")
+        deltas = []
+        if 0 <= record.index < len(prompt.sequences):
+            seq = prompt.sequences[record.index]
+            if record.token_ids:
+                self._observe(seq, len(record.token_ids))
+            if seq.finish_reason is None and (record.text or record.finish_reason):
+                seq.finish_reason = record.finish_reason
+                deltas.append(Delta(seq.index, record.text, record.finish_reason))
+        if record.final:  # an abort of the whole request ends every sequence
+            for seq in prompt.sequences:
+                if seq.finish_reason is None:
+                    seq.finish_reason = record.finish_reason or "abort"
+                    deltas.append(Delta(seq.index, "", seq.finish_reason))
+        return deltas
+
+    def _observe(self, seq: _Sequence, tokens: int) -> None:
+        now = time.monotonic()
+        if not self._first_token:
+            self._first_token = True
+            self.metrics.ttft.observe(now - self.arrival)
+        elif seq.last_at is not None:
+            self.metrics.itl.observe(now - seq.last_at)
+        seq.last_at = now
+        seq.tokens += tokens
+        self.metrics.generation_tokens.inc(tokens)

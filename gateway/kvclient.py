@@ -1,0 +1,60 @@
+"""An asyncio client of the kvstore daemon (zmq.asyncio DEALER) over ``kvstore.protocol``.
+
+The gateway's calls are rare (health checks, scrapes, admin pages), so one call is outstanding at
+a time (a lock); a reply that comes after its call timed out is skipped by ``call_id``, as the
+synchronous ``kvstore.client.KVClient`` does. Errors are that client's exceptions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import zmq
+import zmq.asyncio
+
+from kvstore import protocol as p
+from kvstore.client import KVStoreError, KVStoreTimeout
+
+__all__ = ["AsyncKVClient", "KVStoreError", "KVStoreTimeout"]
+
+
+class AsyncKVClient:
+    def __init__(self, endpoint: str, timeout_s: float = 2.0) -> None:
+        self.endpoint = endpoint
+        self.timeout_s = timeout_s
+        self._ctx = zmq.asyncio.Context.instance()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(endpoint)
+        self._ids = itertools.count(1)
+        self._lock = asyncio.Lock()
+
+    async def call(self, body: p.Request, timeout_s: float | None = None) -> p.ReplyBody:
+        """The reply body to ``body``; raises KVStoreError on an Error reply, KVStoreTimeout
+        when none comes within ``timeout_s`` (default: the client's)."""
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        async with self._lock:
+            call_id = next(self._ids)
+            await self._sock.send(p.encode(p.Call(p.PROTOCOL_VERSION, call_id, body)))
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + timeout
+            while True:
+                remaining_ms = int(max(deadline - loop.time(), 0) * 1000)
+                if not remaining_ms or not await self._sock.poll(remaining_ms, zmq.POLLIN):
+                    raise KVStoreTimeout(f"no reply from {self.endpoint} in {timeout} s")
+                reply = p.decode_reply(await self._sock.recv())
+                if reply.call_id in (call_id, 0):
+                    break
+        if isinstance(reply.body, p.Error):
+            raise KVStoreError(reply.body.code, reply.body.message)
+        return reply.body
+
+    async def stats(self, top_prefixes: int = 10) -> p.Stats:
+        reply = await self.call(p.GetStats(top_prefixes))
+        if not isinstance(reply, p.Stats):
+            raise KVStoreError("bad_reply", f"GetStats answered {type(reply).__name__}")
+        return reply
+
+    def close(self) -> None:
+        self._sock.close()

@@ -1,0 +1,196 @@
+"""``POST /v1/completions`` and ``POST /v1/chat/completions``, streaming (SSE) and not.
+
+A stream is ``data: {json}\\n\\n`` events, one choice per event, ending with ``data: [DONE]``.
+Chat streams open with one ``{"role": "assistant", "content": ""}`` delta per choice; each
+choice's last event carries its ``finish_reason``. With ``stream_options.include_usage`` every
+chunk has ``"usage": null`` and a last chunk with no choices carries the usage. A worker failure
+after the stream started is sent as ``data: {"error": {...}}`` before ``[DONE]``; before it
+started, as a 500. ``usage.prompt_tokens_details.cached_tokens`` (the prefix-cache hit) is on
+every response that has a usage.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import msgspec
+import redis
+from aiohttp import web
+
+from gateway.errors import APIError
+from gateway.generation import Delta, Generation, GenerationError
+from gateway.prepare import Prepared, prepare_chat, prepare_completion
+from gateway.schemas import ChatRequest, CompletionRequest, decode_body
+from gateway.state import STATE, AppState
+
+_encode = msgspec.json.Encoder().encode
+SSE_HEADERS = {
+    "Content-Type": "text/event-stream",
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",  # proxies must not buffer the stream
+}
+
+
+def routes() -> list[web.RouteDef]:
+    return [web.post("/v1/completions", completions), web.post("/v1/chat/completions", chat)]
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    req = decode_body(await _body(request, state), CompletionRequest)
+    check_model(state, req.model)
+    prepared = prepare_completion(req, state.model, state.config.max_n)
+    return await _serve(request, state, prepared, _Format(chat=False))
+
+
+async def chat(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    req = decode_body(await _body(request, state), ChatRequest)
+    check_model(state, req.model)
+    prepared = prepare_chat(req, state.model, state.config.max_n)
+    return await _serve(request, state, prepared, _Format(chat=True))
+
+
+async def _body(request: web.Request, state: AppState) -> bytes:
+    limit = state.config.max_body_bytes
+    if request.content_length is not None and request.content_length > limit:
+        raise APIError(
+            413,
+            f"request body of {request.content_length} bytes exceeds the limit of {limit}",
+            code="request_too_large",
+        )
+    return await request.read()  # HTTPRequestEntityTooLarge (413) past client_max_size
+
+
+def check_model(state: AppState, model: str | None) -> None:
+    """404 unless ``model`` is the served model (its name or its --model); None is fine."""
+    if model is not None and model not in (state.model.name, state.config.model):
+        raise APIError(404, f"the model `{model}` does not exist", "model", "model_not_found")
+
+
+async def _serve(
+    request: web.Request, state: AppState, prepared: Prepared, fmt: _Format
+) -> web.StreamResponse:
+    queued = await state.queue_length()
+    if queued >= state.config.max_queued:
+        raise APIError(503, f"server busy: {queued} requests queued", code="overloaded")
+    request_id = f"{fmt.prefix}-{uuid.uuid4().hex}"
+    gen = Generation(state.redis, state.router, state.model, prepared, request_id, state.metrics)
+    try:
+        try:
+            await gen.submit()
+        except redis.RedisError as err:
+            raise APIError(
+                503, f"cannot queue the request: {err}", code="redis_unavailable"
+            ) from err
+        if prepared.stream:
+            return await _stream(request, gen, fmt)
+        return await _complete(gen, fmt)
+    finally:
+        await gen.close()
+
+
+async def _complete(gen: Generation, fmt: _Format) -> web.Response:
+    n = len(gen.request.prompts) * gen.request.params.n
+    texts: list[list[str]] = [[] for _ in range(n)]
+    if gen.request.echo_texts is not None:
+        for i in range(n):
+            texts[i].append(gen.request.echo_texts[i // gen.request.params.n])
+    finish: list[str | None] = [None] * n
+    try:
+        async for deltas in gen.deltas():
+            for delta in deltas:
+                texts[delta.index].append(delta.text)
+                finish[delta.index] = delta.finish_reason or finish[delta.index]
+    except GenerationError as err:
+        raise APIError(500, f"generation failed: {err}", code="worker_error") from err
+    choices = [fmt.choice(i, "".join(texts[i]), finish[i]) for i in range(n)]
+    body = fmt.envelope(gen.request_id, gen.model.name, choices, stream=False)
+    body["usage"] = gen.usage().as_dict()
+    return web.Response(body=_encode(body), content_type="application/json")
+
+
+async def _stream(request: web.Request, gen: Generation, fmt: _Format) -> web.StreamResponse:
+    response = web.StreamResponse(headers=SSE_HEADERS)
+    await response.prepare(request)
+    include_usage = gen.request.include_usage
+    created = int(time.time())
+
+    def event(choices: list[dict[str, Any]]) -> bytes:
+        body = fmt.envelope(gen.request_id, gen.model.name, choices, True, created)
+        if include_usage:
+            body["usage"] = None
+        return b"data: " + _encode(body) + b"\n\n"
+
+    n = len(gen.request.prompts) * gen.request.params.n
+    opening = [fmt.opening(i, gen.request) for i in range(n)]
+    await response.write(b"".join(event([c]) for c in opening if c is not None))
+    try:
+        async for deltas in gen.deltas():
+            await response.write(b"".join(event([fmt.chunk(d)]) for d in deltas))
+    except GenerationError as err:
+        error = APIError(500, f"generation failed: {err}", code="worker_error")
+        await response.write(b"data: " + _encode(error.body()) + b"\n\n")
+    if include_usage:
+        body = fmt.envelope(gen.request_id, gen.model.name, [], True, created)
+        body["usage"] = gen.usage().as_dict()
+        await response.write(b"data: " + _encode(body) + b"\n\n")
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
+class _Format:
+    """The shapes of one endpoint's responses."""
+
+    def __init__(self, chat: bool) -> None:
+        self.chat = chat
+        self.prefix = "chatcmpl" if chat else "cmpl"
+
+    def envelope(
+        self,
+        request_id: str,
+        model: str,
+        choices: list[dict[str, Any]],
+        stream: bool,
+        created: int | None = None,
+    ) -> dict[str, Any]:
+        obj = ("chat.completion" if self.chat else "text_completion") + (
+            ".chunk" if stream and self.chat else ""
+        )
+        return {
+            "id": request_id,
+            "object": obj,
+            "created": created or int(time.time()),
+            "model": model,
+            "choices": choices,
+        }
+
+    def choice(self, index: int, text: str, finish: str | None) -> dict[str, Any]:
+        if self.chat:
+            message = {"role": "assistant", "content": text}
+            return {"index": index, "message": message, "logprobs": None, "finish_reason": finish}
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+
+    def chunk(self, delta: Delta) -> dict[str, Any]:
+        if not self.chat:
+            return self.choice(delta.index, delta.text, delta.finish_reason)
+        content = {"content": delta.text} if delta.text or not delta.finish_reason else {}
+        return {
+            "index": delta.index,
+            "delta": content,
+            "logprobs": None,
+            "finish_reason": delta.finish_reason,
+        }
+
+    def opening(self, index: int, request: Prepared) -> dict[str, Any] | None:
+        """The chunk a choice's stream starts with: the role (chat), the echoed prompt."""
+        if self.chat:
+            delta = {"role": "assistant", "content": ""}
+            return {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+        if request.echo_texts is not None:
+            text = request.echo_texts[index // request.params.n]
+            return self.choice(index, text, None)
+        return None

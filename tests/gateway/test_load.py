@@ -1,0 +1,107 @@
+"""Many clients at once: aborted streams free their blocks, concurrent streams lose nothing."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+import redis
+
+from gateway import queue
+from tests.gateway.conftest import Stack, Streamed, run, sse_events, stream_completion
+
+CLIENTS = 200
+
+
+def session() -> aiohttp.ClientSession:
+    timeout = aiohttp.ClientTimeout(total=600)
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout)
+
+
+async def open_and_abandon(s: aiohttp.ClientSession, url: str, i: int) -> str:
+    """Streams a long completion until its first token arrives, then drops the connection."""
+    body = {"prompt": f"abandoned {i}", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    response = await s.post(f"{url}/v1/completions", json=body)
+    assert response.status == 200
+    async for event in sse_events(response):
+        assert event != "[DONE]", "finished before it was abandoned"
+        if event["choices"] and event["choices"][0]["text"]:
+            response.close()  # the client goes away mid-stream
+            return event["id"]
+    raise AssertionError("stream ended without a token")
+
+
+def test_200_streams_aborted_midway_leave_no_block_held(stack: Stack) -> None:
+    async def scenario() -> list[str]:
+        async with session() as s:
+            clients = [open_and_abandon(s, stack.url, i) for i in range(CLIENTS)]
+            return await asyncio.gather(*clients)
+
+    ids = run(scenario())
+    assert len(set(ids)) == CLIENTS
+    cache = stack.wait_blocks_released(timeout_s=90)  # 200 x 3000 tokens would take many minutes
+    assert cache["blocks"]["in_use"] == 0
+    r = redis.Redis.from_url(stack.redis_url)
+    assert r.xlen(queue.REQUEST_STREAM) == 0  # every request acked
+    finals = [queue.read_streamed(r, req_id) for req_id in ids]
+    assert all(f.final and f.sequences[0].finish_reason == "abort" for f in finals)
+    assert max(len(f.sequences[0].token_ids) for f in finals) < 3000
+
+
+def test_non_streaming_client_that_leaves_aborts_too(stack: Stack) -> None:
+    r = redis.Redis.from_url(stack.redis_url)
+    aborted_before = set(r.scan_iter(match=queue.abort_key("*")))
+
+    async def scenario() -> None:
+        async with session() as s:
+            body = {"prompt": "patience", "max_tokens": 3000, "ignore_eos": True}
+            request = asyncio.create_task(s.post(f"{stack.url}/v1/completions", json=body))
+            await asyncio.sleep(2)
+            request.cancel()  # closes the connection before any answer
+
+    run(scenario())
+    stack.wait_blocks_released(timeout_s=60)
+    [key] = set(r.scan_iter(match=queue.abort_key("*"))) - aborted_before
+    streamed = queue.read_streamed(r, key.decode().removeprefix(queue.abort_key("")))
+    assert streamed.final and streamed.sequences[0].finish_reason == "abort"
+    assert len(streamed.sequences[0].token_ids) < 3000
+
+
+def published_text(r: redis.Redis, req_id: str) -> tuple[str, int]:
+    """(text, tokens) the worker published for ``req_id``'s sequence 0."""
+    entries = r.xrange(queue.output_key(req_id))
+    mine = [queue.decode_output(fields[b"rec"]) for _, fields in entries]
+    mine = [rec for rec in mine if rec.index == 0]
+    return "".join(rec.text for rec in mine), sum(len(rec.token_ids) for rec in mine)
+
+
+def test_200_concurrent_streams_all_complete_with_nothing_lost(stack: Stack) -> None:
+    max_tokens = 16
+
+    async def one(s: aiohttp.ClientSession, i: int) -> Streamed:
+        body: dict[str, Any] = {
+            "prompt": f"client {i}",
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "seed": i,
+            "stream_options": {"include_usage": True},
+        }
+        return await stream_completion(s, stack.url, body)
+
+    async def scenario() -> list[Streamed]:
+        async with session() as s:
+            return await asyncio.gather(*(one(s, i) for i in range(CLIENTS)))
+
+    results = run(scenario())
+    r = redis.Redis.from_url(stack.redis_url)
+    for result in results:
+        assert result.status == 200 and result.done
+        usage = result.events[-1]["usage"]
+        assert usage["completion_tokens"] == max_tokens
+        finishes = [c["finish_reason"] for e in result.events for c in e["choices"]]
+        assert finishes[-1] == "length" and finishes.count("length") == 1
+        # every delta the worker published reached the client, in order, exactly once
+        text, tokens = published_text(r, result.events[0]["id"])
+        assert tokens == max_tokens and result.text() == text
+    stack.wait_blocks_released()

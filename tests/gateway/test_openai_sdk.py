@@ -1,0 +1,208 @@
+"""The official `openai` client against the running stack (Redis, kvstore, worker, gateway)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from tests.gateway.conftest import Stack
+
+
+@pytest.fixture
+def client(stack: Stack) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0) as c:
+        yield c
+
+
+def stream_text(chunks: openai.Stream) -> tuple[dict[int, str], dict[int, str | None], list]:  # type: ignore[type-arg]
+    """(text per choice, finish reason per choice, the chunks) of a completions stream."""
+    texts: dict[int, str] = {}
+    finish: dict[int, str | None] = {}
+    seen = []
+    for chunk in chunks:
+        seen.append(chunk)
+        for choice in chunk.choices:
+            text = choice.text if hasattr(choice, "text") else (choice.delta.content or "")
+            texts[choice.index] = texts.get(choice.index, "") + text
+            if choice.finish_reason is not None:
+                finish[choice.index] = choice.finish_reason
+    return texts, finish, seen
+
+
+def test_completion_and_its_stream_agree(client: openai.OpenAI) -> None:
+    done = client.completions.create(
+        model="tiny", prompt="Hello", max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
+    [choice] = done.choices
+    assert choice.finish_reason == "length" and done.object == "text_completion"
+    assert done.usage is not None
+    assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (6, 12)  # BOS + 5 bytes
+    assert done.usage.prompt_tokens_details is not None
+    assert done.usage.prompt_tokens_details.cached_tokens == 0
+    stream = client.completions.create(
+        model="tiny",
+        prompt="Hello",
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    texts, finish, _ = stream_text(stream)
+    assert texts == {0: choice.text} and finish == {0: "length"}
+
+
+def test_chat_and_its_stream_agree(client: openai.OpenAI) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    done = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=10, temperature=0, seed=1
+    )
+    [choice] = done.choices
+    assert choice.message.role == "assistant" and done.object == "chat.completion"
+    assert done.usage is not None and done.usage.completion_tokens <= 10
+    # the plain template: "system: Be brief.\nuser: Hi!\nassistant:" after BOS
+    assert done.usage.prompt_tokens == 1 + len("system: Be brief.\nuser: Hi!\nassistant:")
+    stream = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=10, temperature=0, seed=1, stream=True
+    )
+    texts, finish, chunks = stream_text(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert texts == {0: choice.message.content} and finish == {0: choice.finish_reason}
+
+
+def test_n_2_gives_two_choices(client: openai.OpenAI) -> None:
+    done = client.completions.create(
+        model="tiny", prompt="Two", max_tokens=8, n=2, seed=5, extra_body={"ignore_eos": True}
+    )
+    assert sorted(c.index for c in done.choices) == [0, 1]
+    assert done.usage is not None and done.usage.completion_tokens == 16
+    assert done.choices[0].text != done.choices[1].text  # two seeded streams
+    stream = client.completions.create(
+        model="tiny",
+        prompt="Two",
+        max_tokens=8,
+        n=2,
+        seed=5,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    texts, finish, _ = stream_text(stream)
+    assert texts == {c.index: c.text for c in done.choices}
+    assert finish == {0: "length", 1: "length"}
+
+
+def test_seed_reproduces_sampling(client: openai.OpenAI) -> None:
+    def sample(seed: int) -> str:
+        done = client.completions.create(
+            model="tiny",
+            prompt="Seeded",
+            max_tokens=16,
+            temperature=0.9,
+            top_p=0.95,
+            seed=seed,
+            extra_body={"ignore_eos": True, "top_k": 100},
+        )
+        return done.choices[0].text
+
+    first = sample(1234)
+    assert sample(1234) == first
+    assert sample(4321) != first
+
+
+def test_stop_string_cuts_the_text_stream_and_not(client: openai.OpenAI) -> None:
+    kwargs = {"model": "tiny", "prompt": "Stop here", "max_tokens": 40, "temperature": 0}
+    free = client.completions.create(**kwargs, extra_body={"ignore_eos": True})  # type: ignore[call-overload]
+    text = free.choices[0].text
+    # a stop string from the middle of the greedy output, made of whole characters
+    start = next(i for i in range(4, len(text) - 2) if "\ufffd" not in text[i : i + 2])
+    stop = text[start : start + 2]
+    expected = text[: text.index(stop)]
+    done = client.completions.create(**kwargs, stop=[stop], extra_body={"ignore_eos": True})  # type: ignore[call-overload]
+    assert (done.choices[0].text, done.choices[0].finish_reason) == (expected, "stop")
+    stream = client.completions.create(
+        **kwargs,  # type: ignore[arg-type]
+        stop=stop,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    texts, finish, _ = stream_text(stream)
+    assert (texts[0], finish[0]) == (expected, "stop")  # no part of the stop string leaked
+
+
+def test_include_usage_and_cached_tokens(client: openai.OpenAI) -> None:
+    prompt = "A prompt of one hundred characters: the kvstore caches six full blocks of it. "
+    prompt += "x" * (100 - len(prompt))  # 101 tokens with BOS: 6 full blocks, then a partial one
+
+    def run() -> tuple[list, object]:  # type: ignore[type-arg]
+        stream = client.completions.create(
+            model="tiny",
+            prompt=prompt,
+            max_tokens=4,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = list(stream)
+        return chunks, chunks[-1].usage
+
+    chunks, usage = run()
+    assert chunks[-1].choices == [] and all(c.usage is None for c in chunks[:-1])
+    assert usage.prompt_tokens == 101 and usage.prompt_tokens_details.cached_tokens == 0  # type: ignore[attr-defined]
+    _, usage = run()
+    assert usage.prompt_tokens_details.cached_tokens == 96  # type: ignore[attr-defined]
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": prompt}], max_tokens=2
+    )
+    assert chat.usage is not None and chat.usage.prompt_tokens_details is not None
+    assert chat.usage.prompt_tokens_details.cached_tokens == 0  # another prefix ("user: ...")
+
+
+def test_models_list_and_retrieve(client: openai.OpenAI) -> None:
+    [model] = client.models.list().data
+    assert model.id == "tiny" and model.object == "model"
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+
+
+def test_client_errors_are_typed(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model="tiny", prompt="x", max_tokens=0)
+    assert bad.value.param == "max_tokens"  # type: ignore[attr-defined]
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="tiny", messages=[], stream=True)
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.completions.create(model="gpt-4", prompt="x")
+    assert missing.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError, match="context length"):
+        client.completions.create(model="tiny", prompt=[65] * 5000, max_tokens=1)
+
+
+def test_beam_search_extension(client: openai.OpenAI) -> None:
+    done = client.completions.create(
+        model="tiny",
+        prompt="Beams",
+        max_tokens=6,
+        n=2,
+        extra_body={"use_beam_search": True, "beam_width": 3, "length_penalty": 1.0},
+    )
+    assert sorted(c.index for c in done.choices) == [0, 1]
+    assert all(c.finish_reason in ("stop", "length") for c in done.choices)
+
+
+def test_prompt_batch_and_echo(client: openai.OpenAI) -> None:
+    done = client.completions.create(
+        model="tiny",
+        prompt=["First", "Second"],
+        max_tokens=3,
+        n=2,
+        echo=True,
+        extra_body={"ignore_eos": True},
+    )
+    assert sorted(c.index for c in done.choices) == [0, 1, 2, 3]  # prompt i, sequence k: 2i + k
+    by_index = {c.index: c.text for c in done.choices}
+    assert by_index[0].startswith("First") and by_index[1].startswith("First")
+    assert by_index[2].startswith("Second") and by_index[3].startswith("Second")
+    assert done.usage is not None
+    assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (6 + 7, 4 * 3)
