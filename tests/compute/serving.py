@@ -51,10 +51,11 @@ def run_engine(
     max_num_seqs: int = 8,
     params: dict[str, queue.SamplingParams] | None = None,
     salts: dict[str, bytes] | None = None,
+    kv_model: str = "tiny",
 ) -> Served:
     """Serves ``prompts`` to the end (greedy unless ``params`` says otherwise)."""
     model, tokenizer, _ = tiny
-    process, endpoint = start_kvstore("--model", "tiny", "--dtype", "float32", *flags)
+    process, endpoint = start_kvstore("--model", kv_model, "--dtype", "float32", *flags)
     try:
         r = redis.Redis.from_url(redis_url)
         r.flushdb()

@@ -3,8 +3,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
+
+from compute.models import FAMILIES, byte_tokenizer, tiny_family_config
 from gateway import queue
-from tests.compute.driver import generate_greedy
+from tests.compute.driver import generate_greedy, paged_model, reference_model
 from tests.compute.serving import BLOCK_BYTES, kill_and_take_over, prompts_of, run_engine
 
 
@@ -19,6 +24,34 @@ def test_greedy_through_kvstore_and_redis_equals_generate(redis_url: str, tiny: 
     # 12th token of the last prefilled request comes ~14 steps in (one step admits).
     assert steps <= 20, f"{steps} steps: requests stall between decodes"
     assert stats.gpu.used == 0 and not stats.requests  # everything freed
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_family_through_kvstore_and_redis_equals_generate(
+    family: str, redis_url: str, tmp_path: Path
+) -> None:
+    """Llama, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k norm): a batch of mixed prompt lengths,
+    chunked under the 64-token budget, greedy until EOS or 10 tokens, as ``generate``. The
+    kvstore reads the family's saved config for its geometry."""
+    config = tiny_family_config(family)
+    config.save_pretrained(tmp_path)
+    model = paged_model(config, seed=10 + FAMILIES.index(family))
+    served = {"model": model, "tokenizer": byte_tokenizer(), "ref": reference_model(model)}
+    prompts = prompts_of([5, 17, 33, 40, 70], seed=30 + FAMILIES.index(family))
+    greedy = queue.SamplingParams(max_tokens=10, temperature=0.0)  # stops at the config's EOS
+    outputs, stats, *_ = run_engine(
+        redis_url,
+        ["--kv-memory", "0.01GiB"],
+        prompts,
+        10,
+        tuple(served.values()),
+        params=dict.fromkeys(prompts, greedy),
+        kv_model=str(tmp_path),
+    )
+    for rid, prompt in prompts.items():
+        assert outputs[rid] == generate_greedy(served["ref"], prompt, 10), rid
+    assert len({tuple(o) for o in outputs.values()}) == len(prompts)  # not degenerate
+    assert stats.gpu.used == 0
 
 
 def test_prefix_hit_reports_cached_tokens_and_same_output(redis_url: str, tiny: tuple) -> None:
