@@ -25,7 +25,7 @@ from compute.sampling import BeamSearch
 from compute.scheduler import Scheduler, SeqStatus, Sequence
 
 if TYPE_CHECKING:
-    from gateway.queue import SamplingParams
+    from gateway.records import SamplingParams
 
 
 @dataclass(frozen=True)

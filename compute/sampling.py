@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-if TYPE_CHECKING:  # only its fields are read: importing it would pull in redis and msgspec
-    from gateway.queue import SamplingParams
+if TYPE_CHECKING:  # only its fields are read
+    from gateway.records import SamplingParams
 
 __all__ = [
     "BeamSearch",

@@ -1,0 +1,139 @@
+"""The records that travel through Redis between the gateway and the compute workers. Torch-free
+and Redis-free: msgspec Structs, MessagePack encoded, with a version. The keys and the functions
+that move them are in ``gateway.queue``, which re-exports everything here."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+RECORD_VERSION = 1
+
+
+class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """How to pick tokens for one request (OpenAI-style fields plus beam search).
+
+    ``temperature == 0`` is greedy. ``top_k == 0`` and ``top_p == 1.0`` disable those filters.
+    ``seed`` makes sampling reproducible per request (None: nondeterministic). ``n`` sequences
+    share the prompt's blocks (kvstore fork). ``beam_width > 1`` selects beam search (greedy
+    scoring, ``length_penalty`` as in Hugging Face: score = logprob_sum / length**penalty).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    n: int = 1
+    stop_token_ids: list[int] = []
+    stop: list[str] = []
+    ignore_eos: bool = False
+    beam_width: int = 1
+    length_penalty: float = 1.0
+
+    def validate(self) -> None:
+        """Raises ValueError naming the first field out of range."""
+        checks = [
+            (self.max_tokens >= 1, "max_tokens must be at least 1"),
+            (self.temperature >= 0, "temperature must be >= 0"),
+            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+            (self.top_k >= 0, "top_k must be >= 0"),
+            (self.n >= 1, "n must be at least 1"),
+            (self.beam_width >= 1, "beam_width must be at least 1"),
+            (self.beam_width == 1 or self.n <= self.beam_width, "n must be <= beam_width"),
+            (self.beam_width == 1 or not self.stop, "stop strings do not apply to beam search"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class RecordError(ValueError):
+    """A stream entry this build cannot read: garbage, another version, or an unknown shape."""
+
+
+class RequestRecord(msgspec.Struct, array_like=True, forbid_unknown_fields=True, tag="req"):
+    """One request, as the gateway submits it. ``arrival_time``: the gateway's ``time.time()``.
+    ``salt``: mixed into the prefix-cache hash, so only requests with the same salt share
+    blocks. ``priority``: lower is served first among the requests one worker holds (the stream
+    itself is FIFO)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    model: str
+    arrival_time: float
+    salt: bytes | None = None
+    priority: int = 0
+
+
+class OutputRecord(
+    msgspec.Struct, array_like=True, forbid_unknown_fields=True, tag="out", gc=False
+):
+    """One delta of one sequence (``index`` < n, or a beam) of a request.
+
+    ``logprobs``: one per new token, when computed. ``finish_reason`` ends *this sequence*;
+    ``final`` ends the *request* (every sequence finished; for n == 1 it is the record that
+    carries the finish_reason): readers stop there and no record follows it. An abort or error of
+    the whole request is one record with ``final`` (any index). ``error`` is set with finish_reason
+    "error". ``prompt_tokens`` and ``cached_tokens`` (prefix-cache hit) are the same on every
+    record of a request. ``text``: the output text these tokens add, as the worker's stop checker
+    released it (a stop string and an incomplete UTF-8 character are never in it; the held-back
+    characters come with a later record): clients stream ``text``, not a decode of the tokens.
+    """
+
+    req_id: str
+    index: int = 0
+    token_ids: list[int] = []
+    logprobs: list[float] | None = None
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    final: bool = False
+    text: str = ""
+
+
+class StreamedSequence(msgspec.Struct):
+    """Everything one sequence has streamed so far."""
+
+    token_ids: list[int]
+    finish_reason: FinishReason | None = None
+
+
+class Streamed(msgspec.Struct):
+    """What ``read_streamed`` returns: per sequence index, and whether the request is done."""
+
+    sequences: dict[int, StreamedSequence]
+    final: bool = False
+
+
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(RequestRecord)
+_output_decoder = msgspec.msgpack.Decoder(OutputRecord)
+_VERSION = str(RECORD_VERSION).encode()
+
+
+def encode(record: RequestRecord | OutputRecord) -> bytes:
+    return _encoder.encode(record)
+
+
+def decode_request(data: bytes) -> RequestRecord:
+    """Raises RecordError for anything but a valid RequestRecord (params validated too)."""
+    try:
+        record = _request_decoder.decode(data)
+        record.params.validate()
+    except ValueError as err:  # msgspec.DecodeError is a ValueError
+        raise RecordError(f"not a RequestRecord v{RECORD_VERSION}: {err}") from err
+    return record
+
+
+def decode_output(data: bytes) -> OutputRecord:
+    try:
+        return _output_decoder.decode(data)
+    except msgspec.DecodeError as err:
+        raise RecordError(f"not an OutputRecord v{RECORD_VERSION}: {err}") from err
