@@ -171,7 +171,8 @@ class Engine:
             self._start(entry_id, record)
             self.adopting.add(record.req_id)
             return 1
-        log.info("taking over %s after %s tokens", record.req_id, streamed.sequences)
+        counts = {i: len(seq.token_ids) for i, seq in streamed.sequences.items()}
+        log.info("taking over %s after %s streamed tokens per branch", record.req_id, counts)
         active = Active(entry_id, record, {}, live=0)
         self.active[record.req_id] = active
         for index in range(record.params.n):
