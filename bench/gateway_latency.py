@@ -60,6 +60,7 @@ def instant_worker(url: str, interval_s: float, stop: Connection) -> None:
                     prompt_tokens=len(record.prompt_token_ids),
                     final=last,
                     text=chr(token),
+                    offset=k,
                 )
                 published[(record.req_id, k)] = time.perf_counter()
                 queue.step(r, [rec], [entry_id] if last else [])

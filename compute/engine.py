@@ -5,21 +5,28 @@ One step (single-threaded):
 2. run one packed forward over the scheduler's chunks (decodes first, then prefill chunks),
    after performing the copy-on-write copies the kvstore asked for;
 3. sample, check stop conditions;
-4. one kvstore round trip: free finished sequences, report every running sequence's new tokens
-   and computed count, resume/admit what fits; when the kvstore has no block for a running
-   sequence, preempt the latest arrival (the kvstore's cost model picks swap or recompute) and
-   retry, one more round trip each;
-5. one Redis round trip: publish the deltas, ack finished requests, check for aborts.
+4. one kvstore round trip (``compute.kvsync``): free finished sequences, report every running
+   sequence's new tokens and computed count, resume/admit what fits; when the kvstore has no
+   block for a running sequence, preempt the latest arrival (the kvstore's cost model picks swap
+   or recompute) and retry, one more round trip each;
+5. one Redis round trip: publish the deltas, ack finished requests, check for aborts and for
+   gateways that went away (their requests are aborted: nobody would read them).
 
 ``n > 1``: a request's first sampling row draws n tokens (one seeded stream per branch); the
 branches beyond the first are forked from it at the kvstore in the same step (the prompt's blocks
-shared, the last one copied on write) and stream under their own index.
+shared, the last one copied on write) and stream under their own index. A branch that ends on
+its first token is never forked.
 
 The worker holds nothing that cannot be rebuilt: request state is in Redis (the request entry,
 its output stream) and the KV blocks are the kvstore's. A live worker renews its claim on its
 requests (``queue.touch``); the requests of a dead one are taken over (``queue.claim_stale``),
 rebuilt from the tokens already streamed and ``adopt``ed at the kvstore, which keeps their
 blocks for a grace period, so nothing is prefilled again (if the blocks are gone, it recomputes).
+The same path serves this worker itself: at startup it takes back what a previous process under
+its id left pending (``queue.claim_own``), and when it loses the kvstore or Redis (a timeout, a
+restart, a connection error) or finds the kvstore's state differs from its own, it drops its
+in-memory state, registers again (mapping the kvstore's new pool if it restarted), and rebuilds
+its requests from Redis, retrying with backoff until both answer.
 Beam search (``beam_width > 1``): the live beams are sequences that share blocks through fork
 (``compute.beams``); the request publishes its ``n`` best hypotheses when the search ends. Taking
 over an ``n > 1`` request adopts each unfinished branch; a beam search restarts on the prompt's
@@ -32,21 +39,27 @@ import logging
 import os
 import time
 from collections import defaultdict
+from collections.abc import Callable, Sequence
 
 import redis
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from compute.beams import BeamGroup
-from compute.requests import Active, Branch, output_record
+from compute.kvsync import Diverged, KVSync
+from compute.registry import Requests
+from compute.requests import Active, output_record
 from compute.runner import ModelRunner, ScheduledChunk
-from compute.sampling import RowState, StopChecker, sample
-from compute.scheduler import Scheduler, SchedulerConfig, SeqStatus, Sequence
+from compute.sampling import RowState, sample
+from compute.scheduler import Scheduler, SchedulerConfig
 from gateway import queue
 from kvstore import protocol as p
-from kvstore.client import KVClient
+from kvstore.client import KVClient, KVStoreError, KVStoreTimeout
 from kvstore.device import map_pool
 
 log = logging.getLogger("pagedserve.compute")
+# What a worker survives by rebuilding its state: the kvstore or Redis away, or out of step.
+RECOVERABLE = (KVStoreTimeout, KVStoreError, redis.RedisError, Diverged)
+RETRY_MAX_S = 5.0
+GATEWAY_MISSING_S = 5.0  # a gateway's liveness key missing this long: the gateway is gone
 
 
 class Engine:
@@ -62,62 +75,140 @@ class Engine:
         claim_idle_ms: int = queue.CLAIM_IDLE_MS,
         cuda_graph_max_batch: int = 0,
     ) -> None:
-        """``claim_idle_ms``: a pending request untouched this long belongs to a dead worker and
-        this one takes it over (live workers renew theirs every ``claim_idle_ms / 4``).
-        ``cuda_graph_max_batch``: decode steps up to that size replay CUDA graphs (CUDA only)."""
+        """Registers at the kvstore, maps its pool and takes back the requests a previous
+        process under ``worker_id`` left pending. ``claim_idle_ms``: a pending request untouched
+        this long belongs to a dead worker and this one takes it over (live workers renew theirs
+        every ``claim_idle_ms / 4``). ``cuda_graph_max_batch``: decode steps up to that size
+        replay CUDA graphs (CUDA only)."""
         self.worker_id = worker_id
+        self.model = model
         self.tokenizer = tokenizer
         self.kv = kv
         self.redis = r
-        reply = kv.call(p.Register(worker_id, prefill_profile, str(model.device), os.getpid()))
-        assert isinstance(reply, p.Registered)
-        pool = map_pool(reply.pool)  # [blocks, layers, 2, block, kv_heads, d], shared
-        if pool.device.type != model.device.type:
-            raise RuntimeError(
-                f"the kvstore's pool is on {pool.device.type}, the model on "
-                f"{model.device.type}: start both on the same device"
-            )
-        graphs = min(cuda_graph_max_batch, config.max_num_seqs)
-        self.runner = ModelRunner(model, pool, reply.pool.block_size, graphs)
-        self.scheduler = Scheduler(config, reply.pool.block_size)
-        self.active: dict[str, Active] = {}  # by request id
-        self.branch_of: dict[str, tuple[Active, Branch]] = {}  # by sequence id
-        self.beam_of: dict[str, Active] = {}  # by sequence id, the live beams
-        self.adopting: set[str] = set()  # taken over from a dead worker: adopt them, not admit
-        self.forks: dict[str, list[str]] = {}  # parent -> children, for this step's kvstore call
-        self.copies: list[tuple[int, int]] = []
-        self.accepting = True  # takes new requests from Redis
+        self.config = config
+        self.prefill_profile = prefill_profile
         self.claim_idle_ms = claim_idle_ms
+        self.cuda_graph_max_batch = cuda_graph_max_batch
+        eos = model.generation_config.eos_token_id
+        self.eos_ids = {eos} if isinstance(eos, int) else set(eos or [])
+        self.accepting = True  # takes new requests from Redis
         self.tokens_computed = 0  # tokens run through the model (prefill + decode), a counter
         # host seconds per phase of step(): redis_in (incl. waiting for requests), model
         # (forward, sampling: it waits for the GPU), kvstore, redis_out
         self.phase_s: dict[str, float] = defaultdict(float)
-        self._next_lease_check = 0.0
-        eos = model.generation_config.eos_token_id
-        self.eos_ids = {eos} if isinstance(eos, int) else set(eos or [])
-        queue.ensure_group(r)
-        log.info(
-            "worker %s: %d GPU blocks, block size %d",
-            worker_id,
-            reply.num_gpu_blocks,
-            reply.pool.block_size,
+        self.runner: ModelRunner | None = None
+        self._pool: p.PoolInfo | None = None
+        self._connect(redeliver=True)
+
+    # ------------------------------------------------------------------ connecting
+    def _connect(self, redeliver: bool) -> None:
+        """Registers (mapping the pool when it is new), starts from empty state and takes back
+        this worker's pending requests from Redis (``redeliver``: as a new delivery)."""
+        reply = self.kv.call(
+            p.Register(self.worker_id, self.prefill_profile, str(self.model.device), os.getpid())
         )
+        if not isinstance(reply, p.Registered):
+            raise Diverged(f"the kvstore answered Register with {type(reply).__name__}")
+        if reply.pool != self._pool:
+            self._map(reply.pool)
+        self.scheduler = Scheduler(self.config, reply.pool.block_size)
+        self.requests = Requests(self.scheduler, self._decode, self.eos_ids, self.worker_id)
+        self.kvsync = KVSync(self.kv, self.worker_id, self.requests)
+        self._finals: list[queue.OutputRecord] = []  # ended requests' records, to publish
+        self._acks: list[str] = []  # their entries, to ack
+        self._next_lease_check = 0.0
+        self._missing_since: dict[str, float] = {}  # gateway -> when its key was first missed
+        queue.ensure_group(self.redis)
+        for entry_id, record in queue.claim_own(self.redis, self.worker_id, redeliver):
+            self._take_over(entry_id, record)
+        log.info(
+            "worker %s registered: %d GPU blocks (at most %d per request), block size %d; "
+            "%d requests of its own taken back",
+            self.worker_id,
+            reply.num_gpu_blocks,
+            reply.admission_limit_blocks,
+            reply.pool.block_size,
+            len(self.active),
+        )
+
+    def _map(self, info: p.PoolInfo) -> None:
+        """Maps the kvstore's pool (a new one after the kvstore restarted: the old mapping is
+        dropped first) and builds the runner over it (capturing CUDA graphs again)."""
+        if self.runner is not None:
+            log.warning("the kvstore's pool is new: mapping it again")
+        self.runner = None  # release the old mapping before taking the new one
+        pool = map_pool(info)  # [blocks, layers, 2, block, kv_heads, d], shared
+        if pool.device.type != self.model.device.type:
+            raise RuntimeError(
+                f"the kvstore's pool is on {pool.device.type}, the model on "
+                f"{self.model.device.type}: start both on the same device"
+            )
+        graphs = min(self.cuda_graph_max_batch, self.config.max_num_seqs)
+        self.runner = ModelRunner(self.model, pool, info.block_size, graphs)
+        self._pool = info
+
+    def recover(self, error: Exception, stop: Callable[[], bool]) -> None:
+        """After a ``RECOVERABLE`` error: forgets every request (nothing of them is lost: Redis
+        and the kvstore hold it) and connects again, retrying with backoff until it works or
+        ``stop()``."""
+        log.warning("worker %s lost the kvstore or Redis (%s); rebuilding", self.worker_id, error)
+        delay = 0.25
+        while not stop():
+            try:
+                self._connect(redeliver=False)
+                return
+            except RECOVERABLE as err:
+                log.warning("still cannot serve (%s): retrying in %.1f s", err, delay)
+                time.sleep(delay)
+                delay = min(2 * delay, RETRY_MAX_S)
+
+    @property
+    def active(self) -> dict[str, Active]:
+        return self.requests.active
+
+    @property
+    def idle(self) -> bool:
+        """No request in hand and nothing left to publish."""
+        return not self.active and not self._finals
 
     # ------------------------------------------------------------------ the loop
     def step(self, block_ms: int | None = None) -> bool:
         """One engine step; False when there was nothing to do."""
         clock = time.perf_counter()
-        self._take_requests(block_ms if not self.active else None)
+        self._take_requests(block_ms if self.idle else None)
         clock = self._phase("redis_in", clock)
-        records, frees, done, computed = self._forward_and_sample()
+        records, done, computed = self._forward_and_sample()
         clock = self._phase("model", clock)
-        self._kv_step(frees, computed)
+        for refusal in {id(r.active): r for r in self.kvsync.step(computed)}.values():
+            log.error("request %s failed: %s", refusal.active.record.req_id, refusal.message)
+            self._end(refusal.active, "error", refusal.message)
         clock = self._phase("kvstore", clock)
-        aborted = queue.step(self.redis, records, [a.entry_id for a in done], list(self.active))
+        records += self._finals
+        acks = [a.entry_id for a in done] + self._acks
+        self._finals, self._acks = [], []
+        active = self.active
+        checked = queue.step(self.redis, records, acks, list(active), self.requests.gateways())
         self._phase("redis_out", clock)
-        for req_id in aborted:
-            self._end(self.active[req_id], "abort")
+        for req_id in checked.aborted:
+            self._end(active[req_id], "abort")
+        self._end_orphans(checked.gateways_gone)
         return bool(self.active) or bool(records)
+
+    def _end_orphans(self, missing: set[str]) -> None:
+        """Ends the requests of the gateways whose liveness key has been missing for
+        ``GATEWAY_MISSING_S`` (not at the first miss: a Redis restart may have lost the key of a
+        live gateway, which sets it again as soon as it sees Redis back)."""
+        now = time.monotonic()
+        for gateway in set(self._missing_since) - missing:
+            del self._missing_since[gateway]
+        for gateway in missing:
+            if now - self._missing_since.setdefault(gateway, now) < GATEWAY_MISSING_S:
+                continue
+            del self._missing_since[gateway]
+            orphans = [a for a in self.active.values() if a.record.gateway == gateway]
+            log.warning("gateway %s is gone: aborting its %d requests", gateway, len(orphans))
+            for request in orphans:
+                self._end(request, "error", f"its gateway {gateway} is gone")
 
     def _phase(self, name: str, since: float) -> float:
         now = time.perf_counter()
@@ -125,7 +216,7 @@ class Engine:
         return now
 
     def _take_requests(self, block_ms: int | None) -> None:
-        room = self.scheduler.config.max_num_seqs - len(self.active)
+        room = self.config.max_num_seqs - len(self.active)
         if time.monotonic() >= self._next_lease_check:
             self._next_lease_check = time.monotonic() + self.claim_idle_ms / 4000
             self._renew_leases()
@@ -137,81 +228,53 @@ class Engine:
         if room <= 0 or not self.accepting:
             return
         for entry_id, record in queue.read_requests(self.redis, self.worker_id, room, block_ms):
-            self._start(entry_id, record)
-
-    def _start(self, entry_id: str, record: queue.RequestRecord) -> Active:
-        """A request from its first token: its first branch, or its beam search's root."""
-        seq = self.scheduler.add(record.req_id, record.prompt_token_ids)
-        active = Active(entry_id, record, {})
-        self.active[record.req_id] = active
-        params = record.params
-        if params.beam_width > 1:
-            active.beams = BeamGroup(seq, params, self.eos_ids, self.worker_id)
-            self.beam_of[seq.seq_id] = active
-        else:
-            self._add_branch(active, seq, 0)
-        return active
+            self.requests.start(entry_id, record)
 
     def _renew_leases(self) -> None:
-        """Keeps other workers from taking over this one's requests (``queue.touch``)."""
-        entries = {a.entry_id: req_id for req_id, a in self.active.items()}
+        """Keeps other workers from taking over this one's requests (``queue.touch``); stops
+        working on those another worker took over meanwhile."""
+        entries = {a.entry_id: a for a in self.active.values()}
         lost = set(entries) - set(queue.touch(self.redis, self.worker_id, list(entries)))
-        for entry_id in lost:  # another worker serves it now
-            log.warning("request %s was taken over by another worker", entries[entry_id])
+        for entry_id in lost:
+            log.warning(
+                "request %s was taken over by another worker", entries[entry_id].record.req_id
+            )
+            self.kvsync.frees += self.requests.remove(entries[entry_id])
 
     def _take_over(self, entry_id: str, record: queue.RequestRecord) -> int:
-        """A dead worker's request: continue it from the tokens it already streamed, on the
-        kvstore's blocks if they are still there (``adopt``). Returns 1 if it became active."""
-        streamed = queue.read_streamed(self.redis, record.req_id)
+        """A request whose worker died (or this one before it lost track of it): continue it
+        from the tokens it already streamed, on the kvstore's blocks if they are still there
+        (``adopt``). Returns 1 if it became active."""
+        try:
+            streamed = queue.read_streamed(self.redis, record.req_id)
+        except queue.RecordError as err:  # its output is unreadable: it cannot go on
+            failed = queue.OutputRecord(
+                record.req_id, finish_reason="error", error=str(err), final=True
+            )
+            queue.step(self.redis, [failed], [entry_id])
+            return 0
         if streamed.final:  # it finished; only the ack was lost
             queue.ack(self.redis, [entry_id])
             return 0
-        if record.params.beam_width > 1 or not streamed.sequences:  # start again, on its blocks
-            log.info("taking over %s from its start", record.req_id)
-            self._start(entry_id, record)
-            self.adopting.add(record.req_id)
-            return 1
         counts = {i: len(seq.token_ids) for i, seq in streamed.sequences.items()}
         log.info("taking over %s after %s streamed tokens per branch", record.req_id, counts)
-        active = Active(entry_id, record, {}, live=0)
-        self.active[record.req_id] = active
-        for index in range(record.params.n):
-            streamed_seq = streamed.sequences[index]  # all n stream from the first token on
-            if streamed_seq.finish_reason is not None:
-                continue
-            seq_id = record.req_id if index == 0 else f"{record.req_id}#{index}"
-            generated = streamed_seq.token_ids
-            seq = self.scheduler.add(seq_id, record.prompt_token_ids, generated)
-            branch = self._add_branch(active, seq, index)
-            self.adopting.add(seq_id)
-            active.live += 1
-            for token in generated:  # the stop checker and the seeded stream continue from here
-                branch.stop.append(token)
+        self.requests.resume_streamed(entry_id, record, streamed)
         return 1
 
-    def _decode(self, token_ids: list[int]) -> str:
+    def _decode(self, token_ids: Sequence[int]) -> str:
         """Output text, special tokens (BOS, PAD, ...) left out as vLLM does by default."""
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
 
-    def _add_branch(self, active: Active, seq: Sequence, index: int) -> Branch:
-        record = active.record
-        context = record.prompt_token_ids[-4:]
-        stop = StopChecker(record.params, self.eos_ids, self._decode, context)
-        branch = Branch(index, seq, stop)
-        active.branches[index] = branch
-        self.branch_of[seq.seq_id] = (active, branch)
-        return branch
-
-    def _forward_and_sample(
-        self,
-    ) -> tuple[list[queue.OutputRecord], list[str], list[Active], set[str]]:
-        """The step's forward pass and token choice. Returns the deltas, the sequences to free,
-        the requests that are done and the ids of the sequences whose KV was computed."""
+    def _forward_and_sample(self) -> tuple[list[queue.OutputRecord], list[Active], set[str]]:
+        """The step's forward pass and token choice. Returns the deltas, the requests that are
+        done and the ids of the sequences whose KV was computed. Finished sequences go to the
+        kvstore's frees, new branches to its forks."""
         chunks = self.scheduler.schedule()
         if not chunks:
-            return [], [], [], set()
-        self.runner.copy_blocks(self.copies)
-        self.copies = []
+            return [], [], set()
+        assert self.runner is not None
+        self.runner.copy_blocks(self.kvsync.copies)
+        self.kvsync.copies = []
         batch = [
             ScheduledChunk(
                 c.seq.token_ids[c.start : c.start + c.num_tokens], c.start, c.seq.block_ids
@@ -225,57 +288,60 @@ class Engine:
         owners: list[tuple[Active, int]] = []
         states: list[RowState] = []
         searches: dict[str, Active] = {}  # beam searches that got logits this step
+        own_index: dict[int, int] = {}  # chunk -> the branch index whose sequence it is
         for i, chunk in enumerate(chunks):
             if not chunk.samples:
                 continue
-            if (beam_owner := self.beam_of.get(chunk.seq.seq_id)) is not None:
+            if (beam_owner := self.requests.beam_search(chunk.seq.seq_id)) is not None:
                 beam_owner.beams.computed(chunk.seq, logits[i])  # type: ignore[union-attr]
                 searches[beam_owner.record.req_id] = beam_owner
                 continue
-            active, branch = self.branch_of[chunk.seq.seq_id]
+            found = self.requests.branch(chunk.seq.seq_id)
+            assert found is not None, f"{chunk.seq.seq_id}: a chunk of no branch"
+            active, branch = found
+            own_index[i] = branch.index
             params = active.record.params
             fan_out = params.n if branch.stop.num_generated == 0 and branch.index == 0 else 1
+            if fan_out > 1:  # the n - 1 branches forked below are live from now on
+                active.live += fan_out - 1
             for k in range(branch.index, branch.index + fan_out):
                 rows.append(i)
                 owners.append((active, k))
                 states.append(RowState(params, k, branch.stop.num_generated))
         tokens = sample(logits[rows], states).token_ids.tolist() if rows else []
-        own = {
-            i: t
-            for i, (a, k), t in zip(rows, owners, tokens, strict=True)
-            if k == self.branch_of[chunks[i].seq.seq_id][1].index
-        }
+        own = {i: t for i, (_, k), t in zip(rows, owners, tokens, strict=True) if k == own_index[i]}
         for i, chunk in enumerate(chunks):
             self.scheduler.computed(chunk, own.get(i))
         records: list[queue.OutputRecord] = []
         frees: list[str] = []
         for (active, k), token in zip(owners, tokens, strict=True):
-            if k not in active.branches:  # a new branch, forked from the first
-                parent = active.branches[0].seq.seq_id
-                child = self.scheduler.fork(parent, f"{parent}#{k}", token)
-                self.forks.setdefault(parent, []).append(child.seq_id)
-                self._add_branch(active, child, k)
-                active.live += 1
-            branch = active.branches[k]
+            forked = k not in active.branches  # a new branch, forked from the first
+            branch = self.requests.fork_branch(active, k, token) if forked else active.branches[k]
             update = branch.stop.append(token)
             if update.finish_reason is not None:
                 active.live -= 1
-                frees.append(branch.seq.seq_id)
-            records.append(
-                output_record(
-                    active, k, [token], update.finish_reason, active.live == 0, update.text
+                if forked:  # it ends where it starts: the kvstore never needs to know it
+                    self.requests.finish(branch.seq.seq_id)
+                else:
+                    frees.append(branch.seq.seq_id)
+            elif forked:
+                self.kvsync.forks.setdefault(active.branches[0].seq.seq_id, []).append(
+                    branch.seq.seq_id
                 )
+            offset = branch.stop.num_generated - 1
+            final = active.live == 0
+            records.append(
+                output_record(active, k, [token], update.finish_reason, final, update.text, offset)
             )
         for active in searches.values():
             records += self._beam_round(active, frees)
-        done = [a for a in self.active.values() if a.live == 0]
         for seq_id in frees:
-            self.branch_of.pop(seq_id, None)
-            self.beam_of.pop(seq_id, None)
-            self.scheduler.finish(seq_id)
+            self.requests.finish(seq_id)
+        self.kvsync.frees += frees
+        done = [a for a in self.active.values() if a.live == 0]
         for active in done:
-            del self.active[active.record.req_id]
-        return records, frees, done, {c.seq.seq_id for c in chunks}
+            self.requests.done(active)
+        return records, done, {c.seq.seq_id for c in chunks}
 
     def _beam_round(self, active: Active, frees: list[str]) -> list[queue.OutputRecord]:
         """Advances a beam search whose live beams all have their logits; adds the sequences
@@ -287,9 +353,8 @@ class Engine:
         round_ = beams.advance(self.scheduler)
         frees += round_.frees
         for parent, children in round_.forks.items():
-            self.forks.setdefault(parent, []).extend(children)
-            for child in children:
-                self.beam_of[child] = active
+            self.kvsync.forks.setdefault(parent, []).extend(children)
+            self.requests.add_beams(active, children)
         if not beams.done:
             return []
         active.live = 0
@@ -299,138 +364,33 @@ class Engine:
             for k, (tokens, reason, text) in enumerate(best)
         ]
 
-    # ------------------------------------------------------------------ kvstore
-    def _kv_step(self, frees: list[str], computed: set[str]) -> None:
-        """Frees ``frees``, forks new sequences, reports the progress of every running sequence
-        ``computed`` this step or holding unreported tokens (decodes as one columnar
-        TokenBatch), resumes and admits what the scheduler places."""
-        forks = [p.ForkItem(parent, children) for parent, children in self.forks.items()]
-        self.forks = {}
-        decodes, appends = [], []
-        for seq in self.scheduler.running():
-            if len(seq.unreported) == 1 and seq.num_computed == seq.num_reported:
-                decodes.append(seq)
-            elif seq.unreported or seq.seq_id in computed:
-                appends.append(p.AppendItem(seq.seq_id, seq.unreported, seq.num_computed))
-        tokens = (
-            p.TokenBatch(
-                [s.seq_id for s in decodes],
-                [s.token_ids[-1] for s in decodes],
-                [s.num_computed for s in decodes],
-            )
-            if decodes
-            else None
-        )
-        to_place = self.scheduler.to_place()
-        reporting = [s.seq_id for s in decodes] + [a.req_id for a in appends]
-        reply = self._call(
-            p.Step(
-                self.worker_id,
-                frees=frees,
-                forks=forks,
-                appends=appends,
-                tokens=tokens,
-                resumes=[s.seq_id for s in to_place if s.status is SeqStatus.PREEMPTED],
-                admits=[self._admit_item(s) for s in to_place if s.status is SeqStatus.WAITING],
-            )
-        )
-        self._apply(reply, reporting)
-
-    def _owner(self, seq_id: str) -> Active:
-        branch = self.branch_of.get(seq_id)
-        return branch[0] if branch is not None else self.beam_of[seq_id]
-
-    def _admit_item(self, seq: Sequence) -> p.AdmitItem:
-        salt = self._owner(seq.seq_id).record.salt
-        return p.AdmitItem(seq.seq_id, seq.token_ids, salt, adopt=seq.seq_id in self.adopting)
-
-    def _apply(self, reply: p.StepReply, reporting: list[str]) -> None:
-        """Takes in a step reply; while a running sequence got no block for its new tokens,
-        preempts the latest arrival and retries (one more round trip each)."""
-        while True:
-            refused = {e.req_id for e in reply.errors if e.op == "append"}
-            for placed in reply.forked:  # before the same reply's copy-on-write changes
-                assert self.scheduler.seqs[placed.req_id].block_ids[: len(placed.block_ids)] == (
-                    placed.block_ids
-                ), f"{placed.req_id}: the fork's table differs from the kvstore's"
-            for seq_id in reporting:  # accepted, whether or not its table changed
-                if seq_id not in refused:
-                    self.scheduler.reported(seq_id)
-            for grown in reply.appended:
-                self.copies += self.scheduler.grown(grown.req_id, grown.new_block_ids, grown.copies)
-            for req_id, _mode in reply.preempted:
-                self.scheduler.preempted(req_id)
-            for placed in reply.admitted:  # the kvstore knows every token we sent
-                seq = self.scheduler.seqs[placed.req_id]
-                self.scheduler.placed(
-                    seq.seq_id, placed.block_ids, placed.num_computed, len(seq.token_ids)
-                )
-                self._owner(seq.seq_id).cached_tokens = placed.num_cached_tokens
-                self.adopting.discard(seq.seq_id)
-            for placed in reply.resumed:  # the kvstore knows what it held when preempted
-                seq = self.scheduler.seqs[placed.req_id]
-                self.scheduler.placed(
-                    seq.seq_id, placed.block_ids, placed.num_computed, seq.num_reported
-                )
-            for error in reply.errors:
-                if error.op == "admit" and error.code == "unknown_request":
-                    self.adopting.discard(error.req_id)  # its blocks are gone: recompute
-                elif error.op == "admit" and error.code == "conflict":
-                    pass  # the kvstore's lease on the dead worker has not run out: retry
-                elif error.code != "no_space":
-                    raise RuntimeError(f"kvstore refused {error.op} of {error.req_id}: {error}")
-            starved = [
-                e.req_id
-                for e in reply.errors
-                if e.op == "append" and self.scheduler.seqs[e.req_id].status is SeqStatus.RUNNING
-            ]
-            if not starved:
-                return
-            victim = self.scheduler.victim()
-            assert victim is not None, "no running sequence to preempt"
-            retry = [self.scheduler.seqs[r] for r in starved if r != victim.seq_id]
-            reporting = [seq.seq_id for seq in retry]
-            reply = self._call(
-                p.Step(
-                    self.worker_id,
-                    preempts=[victim.seq_id],
-                    appends=[p.AppendItem(s.seq_id, s.unreported, s.num_computed) for s in retry],
-                )
-            )
-            log.info("preempted %s for lack of blocks: %s", victim.seq_id, reply.preempted)
-
-    def _call(self, body: p.Step) -> p.StepReply:
-        reply = self.kv.call(body)
-        assert isinstance(reply, p.StepReply)
-        return reply
-
-    def _end(self, active: Active, reason: str) -> None:
-        """Ends a request early (client abort): frees its sequences, publishes a final record,
-        acks it."""
-        held = [seq.seq_id for seq in active.held()]
-        if held:
-            self._call(p.Step(self.worker_id, frees=held))
-        seqs = [b.seq for b in active.branches.values()] + (
-            active.beams.live if active.beams else []
-        )
-        for seq in seqs:
-            if self.branch_of.pop(seq.seq_id, None) or self.beam_of.pop(seq.seq_id, None):
-                self.scheduler.finish(seq.seq_id)
-            self.adopting.discard(seq.seq_id)
-        del self.active[active.record.req_id]
-        record = output_record(active, 0, [], reason, final=True)
-        queue.step(self.redis, [record], [active.entry_id])
+    def _end(self, active: Active, reason: str, error: str | None = None) -> None:
+        """Ends a request before it finished (a client abort, its gateway gone, a refusal): its
+        sequences are forgotten now and freed at the kvstore in the next step; its final record
+        is published and its entry acked in the next Redis round trip."""
+        if active.record.req_id not in self.active:  # ended already
+            return
+        self.kvsync.frees += self.requests.remove(active)
+        self._finals.append(output_record(active, 0, [], reason, final=True, error=error))
+        self._acks.append(active.entry_id)
 
     def run_forever(self, signals: list[int]) -> None:
         """Steps until a signal arrives (``signals`` grows, in a signal handler); when idle, each
         step waits up to 100 ms for a request on Redis. After the first signal it takes no new
-        request and drains the running ones; a second signal returns at once."""
+        request and drains the running ones; a second signal returns at once. Losing the
+        kvstore or Redis does not stop it: it rebuilds (``recover``) and goes on."""
         while len(signals) < 2:
             if signals:
-                if not self.active:
+                if self.idle:
                     break
                 if self.accepting:
                     log.info("draining %d requests (signal again to stop now)", len(self.active))
                 self.accepting = False
-            self.step(block_ms=100)
-        self.kv.call(p.Unregister(self.worker_id))
+            try:
+                self.step(block_ms=100)
+            except RECOVERABLE as err:
+                self.recover(err, lambda: len(signals) >= 2)
+        try:
+            self.kv.call(p.Unregister(self.worker_id))
+        except (KVStoreTimeout, KVStoreError) as err:
+            log.warning("could not unregister from the kvstore: %s", err)

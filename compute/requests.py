@@ -1,7 +1,7 @@
 """What a compute worker knows of each request it serves, and the output records it publishes.
 
-Owned by the engine's loop (``compute.engine``); rebuilt from Redis when another worker takes a
-request over.
+Owned by the worker's ``compute.registry.Requests``; rebuilt from Redis when another worker takes
+a request over.
 """
 
 from __future__ import annotations
@@ -53,16 +53,21 @@ def output_record(
     reason: str | None,
     final: bool,
     text: str = "",
+    offset: int = 0,
+    error: str | None = None,
 ) -> queue.OutputRecord:
-    """One delta of sequence ``index``; ``final`` ends the request."""
+    """One delta of sequence ``index`` (``offset``: its tokens before these); ``final`` ends
+    the request."""
     return queue.OutputRecord(
         active.record.req_id,
         index,
         tokens,
         None,
         reason,  # type: ignore[arg-type]
+        error=error,
         prompt_tokens=len(active.record.prompt_token_ids),
         cached_tokens=active.cached_tokens,
         final=final,
         text=text,
+        offset=offset,
     )

@@ -6,13 +6,21 @@ import logging
 import os
 import signal
 import socket
+import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import redis
 
 from compute.scheduler import SchedulerConfig
 from gateway import queue
 from kvstore.daemon import DEFAULT_ENDPOINT
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from compute.engine import Engine
+    from kvstore.client import KVClient
 
 log = logging.getLogger("pagedserve.compute")
 
@@ -71,7 +79,6 @@ def run(config: ComputeConfig, scheduling: SchedulerConfig) -> None:
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    from compute.engine import Engine
     from compute.models import load_model
     from compute.profile import measure_prefill
     from kvstore.client import KVClient
@@ -86,19 +93,49 @@ def run(config: ComputeConfig, scheduling: SchedulerConfig) -> None:
     signal.signal(signal.SIGINT, lambda signum, _frame: signals.append(signum))
     signal.signal(signal.SIGTERM, lambda signum, _frame: signals.append(signum))
     with KVClient(config.kvstore) as kv:
-        engine = Engine(
-            worker_id,
-            model,
-            tokenizer,
-            kv,
-            r,
-            scheduling,
-            profile,
-            config.claim_idle_ms,
-            config.cuda_graph_max_batch,
+        engine = _start_engine(
+            worker_id, model, tokenizer, kv, r, config, scheduling, profile, signals
         )
+        if engine is None:
+            return
         log.info(
             "worker %s serving (redis %s, kvstore %s)", worker_id, config.redis_url, config.kvstore
         )
         engine.run_forever(signals)
     log.info("worker %s stopped; computed %d tokens", worker_id, engine.tokens_computed)
+
+
+def _start_engine(
+    worker_id: str,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    kv: KVClient,
+    r: redis.Redis,
+    config: ComputeConfig,
+    scheduling: SchedulerConfig,
+    profile: list[tuple[int, float]],
+    signals: list[int],
+) -> Engine | None:
+    """The engine, once the kvstore and Redis answer (retried with backoff; None if a signal
+    came first)."""
+    from compute.engine import RECOVERABLE, RETRY_MAX_S, Engine
+
+    delay = 0.25
+    while not signals:
+        try:
+            return Engine(
+                worker_id,
+                model,
+                tokenizer,
+                kv,
+                r,
+                scheduling,
+                profile,
+                config.claim_idle_ms,
+                config.cuda_graph_max_batch,
+            )
+        except RECOVERABLE as err:
+            log.warning("cannot start serving yet (%s): retrying in %.1f s", err, delay)
+            time.sleep(delay)
+            delay = min(2 * delay, RETRY_MAX_S)
+    return None

@@ -1,16 +1,20 @@
 """The gateway's aiohttp app (``create_app``) and server (``run``: ``pagedserve gateway``).
 
 Routes: the OpenAI API (``gateway.openai_api``), ``GET /v1/models[/{id}]``, ``GET /health``,
-``GET /metrics``, the admin API (``gateway.admin``). Requests go to Redis (``gateway.queue``), the
-kvstore is asked only for health, metrics and the admin API. The server runs with aiohttp's
+``GET /metrics``, the admin API (``gateway.admin``). ``/v1/*`` needs the API key when one is set
+(``--api-key`` or ``PAGEDSERVE_API_KEY``). Requests go to Redis (``gateway.queue``), the kvstore
+is asked only for health, capacity, metrics and the admin API. The server runs with aiohttp's
 handler cancellation on, so a client that disconnects cancels its handler, which aborts its
-request (``Generation.close``). On SIGINT/SIGTERM it stops accepting connections, lets requests in
-flight finish for ``--shutdown-timeout-s``, then cancels (aborts) the rest.
+request (``Generation.close``). On SIGINT/SIGTERM it closes its listening socket, answers new
+requests on open connections with 503, lets requests in flight finish for exactly
+``--shutdown-timeout-s``, then cuts the rest (error event and [DONE], or 503) and exits.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
+import hmac
 import logging
 import os
 import signal
@@ -21,7 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from gateway import admin, openai_api
 from gateway.config import ADMIN_TOKEN_ENV, GatewayConfig
-from gateway.errors import APIError, error_middleware
+from gateway.errors import APIError, Handler, error_middleware
 from gateway.kvclient import KVStoreError, KVStoreTimeout
 from gateway.metrics import Metrics, Snapshot
 from gateway.prepare import ModelInfo
@@ -32,10 +36,13 @@ log = logging.getLogger("pagedserve.gateway")
 HEALTH_TIMEOUT_S = 1.0
 
 
-def create_app(config: GatewayConfig, model: ModelInfo, admin_token: str | None) -> web.Application:
+def create_app(
+    config: GatewayConfig, model: ModelInfo, admin_token: str | None, api_key: str | None = None
+) -> web.Application:
     """The app; Redis and kvstore clients are opened when it starts (its cleanup context)."""
-    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[error_middleware])
-    state = AppState(config, model, admin_token or None, Metrics(model.name))
+    middlewares = [error_middleware, api_key_middleware]
+    app = web.Application(client_max_size=config.max_body_bytes, middlewares=middlewares)
+    state = AppState(config, model, admin_token or None, Metrics(model.name), api_key or None)
     app[STATE] = state
     app.cleanup_ctx.append(state.connections)
     app.add_routes(
@@ -51,13 +58,30 @@ def create_app(config: GatewayConfig, model: ModelInfo, admin_token: str | None)
     return app
 
 
+@web.middleware
+async def api_key_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """``/v1/*`` needs ``Authorization: Bearer <key>`` when the gateway has an API key."""
+    key = request.app[STATE].api_key
+    if key is not None and request.path.startswith("/v1/"):
+        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        if scheme != "Bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
+            raise APIError(
+                401,
+                "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+                type="invalid_request_error",
+            )
+    return await handler(request)
+
+
 def _model_card(state: AppState) -> dict[str, object]:
+    """The served model, by its name only: never its filesystem path."""
     return {
         "id": state.model.name,
         "object": "model",
         "created": state.model.created,
         "owned_by": "pagedserve",
-        "root": state.config.model,
+        "root": state.model.name,
         "max_model_len": state.model.context_len,
     }
 
@@ -74,11 +98,15 @@ async def model_info(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    """200 when Redis and the kvstore answer and a worker was heard from within
-    ``--worker-idle-s``; else 503 saying what is down."""
+    """200 ("ok") when Redis and the kvstore answer and a worker was heard from within
+    ``--worker-idle-s``; else 503: "degraded" saying what is down (components reconnect by
+    themselves; requests wait), or "draining" while the gateway shuts down."""
     state = request.app[STATE]
+    if state.draining:
+        body = {"status": "draining", "in_flight": state.num_in_flight}
+        return web.json_response(body, status=503)
     down: list[str] = []
-    body: dict[str, object] = {}
+    body = {}
     try:
         await state.kv.call(p.Ping(), timeout_s=HEALTH_TIMEOUT_S)
         stats = await state.kv.call(p.GetStats(0), timeout_s=HEALTH_TIMEOUT_S)
@@ -100,7 +128,7 @@ async def health(request: web.Request) -> web.Response:
     except redis.RedisError as err:
         body["redis"] = "down"
         down.append(f"redis: {err}")
-    body = {"status": "unavailable" if down else "ok", **body, "down": down}
+    body = {"status": "degraded" if down else "ok", **body, "down": down}
     return web.json_response(body, status=503 if down else 200)
 
 
@@ -127,6 +155,8 @@ def run(config: GatewayConfig) -> None:
     admin_token = os.environ.get(ADMIN_TOKEN_ENV) or None
     if admin_token is None:
         log.warning("%s is not set: the admin API is disabled (403)", ADMIN_TOKEN_ENV)
+    api_key = config.resolved_api_key(dict(os.environ))
+    log.info("/v1 API key: %s", "required" if api_key else "none (anyone may send requests)")
     model = ModelInfo.load(config)
     log.info(
         "model %s (%s): context %d tokens, chat template: %s",
@@ -135,22 +165,44 @@ def run(config: GatewayConfig) -> None:
         model.context_len,
         "the tokenizer's" if getattr(model.tokenizer, "chat_template", None) else "plain",
     )
-    asyncio.run(serve(create_app(config, model, admin_token), config))
+    try:
+        asyncio.run(serve(create_app(config, model, admin_token, api_key), config))
+    except PortInUse as err:
+        raise SystemExit(f"pagedserve gateway: {err}") from None
+
+
+class PortInUse(Exception):
+    """The gateway's address is taken."""
 
 
 async def serve(app: web.Application, config: GatewayConfig) -> None:
-    runner = web.AppRunner(
-        app, handler_cancellation=True, shutdown_timeout=config.shutdown_timeout_s
-    )
+    """Serves until SIGINT/SIGTERM, then drains: the listening socket closes, requests in flight
+    get ``--shutdown-timeout-s`` (once, exactly), the rest are cut with an error."""
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port, backlog=2048)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as err:
+        await runner.cleanup()
+        if err.errno == errno.EADDRINUSE:
+            raise PortInUse(f"port {config.port} on {config.host} is in use; pass --port") from None
+        raise
     log.info("gateway listening on http://%s:%d", config.host, config.port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
     await stop.wait()
-    log.info("stopping: requests in flight get %.0f s to finish", config.shutdown_timeout_s)
+    state = app[STATE]
+    log.info(
+        "stopping: no new requests; %d in flight get %.0f s to finish",
+        state.num_in_flight,
+        config.shutdown_timeout_s,
+    )
+    await site.stop()
+    cut = await state.drain(config.shutdown_timeout_s)
+    if cut:
+        log.warning("cut %d requests still in flight after %.0f s", cut, config.shutdown_timeout_s)
     await runner.cleanup()
     log.info("gateway stopped")

@@ -2,7 +2,8 @@
 
 The admin API's bearer token is not an option (it would show in ``ps``): it comes from the
 environment variable ``PAGEDSERVE_ADMIN_TOKEN``. Unset or empty, the admin API is disabled and
-every ``/admin/`` call answers 403.
+every ``/admin/`` call answers 403. The API key of ``/v1/*`` comes from ``PAGEDSERVE_API_KEY``
+or ``--api-key`` (as vLLM's ``--api-key``; the variable keeps it out of ``ps``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 from kvstore.daemon import DEFAULT_ENDPOINT
 
 ADMIN_TOKEN_ENV = "PAGEDSERVE_ADMIN_TOKEN"
+API_KEY_ENV = "PAGEDSERVE_API_KEY"
 
 
 @dataclass(frozen=True)
@@ -75,11 +77,54 @@ class GatewayConfig:
     shutdown_timeout_s: float = field(
         default=30.0,
         metadata={
-            "help": "on SIGINT/SIGTERM, how long requests in flight may take to finish "
-            "before they are aborted"
+            "help": "on SIGINT/SIGTERM the gateway stops accepting requests (new ones get 503, "
+            "/health says draining) and gives those in flight this long to finish; then each "
+            "is cut: a stream gets an error event and [DONE], a non-streaming request a 503"
+        },
+    )
+    request_timeout_s: float = field(
+        default=600.0,
+        metadata={
+            "help": "server-side deadline of one request, from its arrival: past it, a stream "
+            "gets an error event (code request_timeout) and [DONE], a non-streaming request a "
+            "504, and its work is aborted; 0 disables it"
+        },
+    )
+    sse_keepalive_s: float = field(
+        default=15.0,
+        metadata={
+            "help": "a stream with nothing to send for this long gets an SSE comment line "
+            "(': keep-alive'), so clients and proxies see it alive (a long queue, a long "
+            "prompt); 0 disables them"
+        },
+    )
+    api_key: str = field(
+        default="",
+        metadata={
+            "help": f"require 'Authorization: Bearer <key>' on /v1/* (401 otherwise); "
+            f"${API_KEY_ENV} is used when this is empty, and keeps the key out of ps. "
+            "/health and /metrics stay open"
+        },
+    )
+    liveness_ttl_s: float = field(
+        default=30.0,
+        metadata={
+            "help": "the gateway renews its liveness key in Redis every third of this; workers "
+            "abort the requests of a gateway whose key expired (it died: nobody would read them)"
+        },
+    )
+    redis_outage_s: float = field(
+        default=30.0,
+        metadata={
+            "help": "while Redis is unreachable, requests in flight wait this long for it to "
+            "come back (then go on where they were) before they end with an error"
         },
     )
     log_level: str = field(default="INFO", metadata={"help": "logging level"})
+
+    def resolved_api_key(self, env: dict[str, str]) -> str | None:
+        """The /v1 API key: the flag, else the environment's; None: no key required."""
+        return self.api_key or env.get(API_KEY_ENV) or None
 
     def model_name(self) -> str:
         """The served model name: the flag, else 'tiny' or the directory's basename."""

@@ -10,16 +10,23 @@ holds back the start of a possible stop string and incomplete UTF-8 characters),
 client sees is exactly what the worker stopped on. ``completion_tokens`` counts every token the
 workers sampled, a stop token or the tokens of a stop string included.
 
-Lifecycle. ``Generation.deltas()`` yields lists of ``Delta`` until every sequence has finished;
+Lifecycle. ``Generation.deltas()`` yields lists of ``Delta`` until every sequence has finished,
+and an empty list whenever nothing came for ``keepalive_s`` (a stream sends a comment then);
 ``close()`` (always call it, e.g. in ``finally``) aborts the prompts whose final record has not
-come, so a client that disconnects frees its blocks. A final "error" record raises
-``GenerationError``.
+come, so a client that disconnects frees its blocks. ``GenerationError`` ends it early, with the
+error the client is told: a final "error" record, an output that cannot be read, the
+``deadline`` passed, or ``cancel`` (the server shutting down).
+
+Records are idempotent: each carries the ``offset`` of its tokens in its sequence, and a record
+whose tokens were already taken in is skipped (a worker rebuilding a request after a Redis
+restart publishes again what the restart lost, which this gateway may have read before).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -27,16 +34,21 @@ from dataclasses import dataclass, field
 import redis.asyncio
 
 from gateway import queue
+from gateway.errors import APIError
 from gateway.metrics import Metrics
 from gateway.prepare import ModelInfo, Prepared
 from gateway.router import OutputRouter
 
+log = logging.getLogger("pagedserve.gateway")
 _background: set[asyncio.Task[None]] = set()  # aborts that must outlive a cancelled handler
 
 
 class GenerationError(Exception):
-    """A worker failed the request (a final record with finish_reason "error"), or the output
-    could not be read."""
+    """The generation cannot go on; ``error`` is what the client is told."""
+
+    def __init__(self, error: APIError) -> None:
+        super().__init__(error.message)
+        self.error = error
 
 
 @dataclass
@@ -80,7 +92,7 @@ class Usage:
         }
 
 
-@dataclass
+@dataclass(eq=False)  # compared and hashed by identity: a set of those in flight
 class Generation:
     r: redis.asyncio.Redis
     router: OutputRouter
@@ -88,6 +100,9 @@ class Generation:
     request: Prepared
     request_id: str
     metrics: Metrics
+    gateway_id: str = ""  # whose liveness key the workers check (RequestRecord.gateway)
+    deadline: float | None = None  # time.monotonic() past which it ends (GenerationError)
+    keepalive_s: float | None = None  # deltas() yields [] after this long without a record
     arrival: float = field(default_factory=time.monotonic)
     prompts: list[_Prompt] = field(default_factory=list)
     _first_token: bool = False
@@ -120,15 +135,27 @@ class Generation:
                 now,
                 self.request.salt,
                 self.request.priority,
+                self.gateway_id,
             )
             for prompt in self.prompts
         ]
-        await asyncio.gather(self.router.wake(), *(queue.submit(self.r, rec) for rec in records))
+        submits = [queue.submit(self.r, rec) for rec in records]
+        _, entry_ids = await asyncio.gather(self.router.wake(), asyncio.gather(*submits))
+        for prompt, entry_id in zip(self.prompts, entry_ids, strict=True):
+            self.router.submitted(prompt.req_id, entry_id)
+
+    def cancel(self, error: APIError) -> None:
+        """Ends ``deltas()`` with ``GenerationError(error)`` (the server is shutting down)."""
+        self._inbox.put_nowait((-1, GenerationError(error)))
 
     async def deltas(self) -> AsyncIterator[list[Delta]]:
-        """The text deltas, record by record, until every sequence finished."""
+        """The text deltas, record by record, until every sequence finished; [] after each
+        ``keepalive_s`` without any."""
         try:
             async for i, record in self._records():
+                if record is None:
+                    yield []
+                    continue
                 deltas = self._apply(self.prompts[i], record)
                 if deltas:
                     yield deltas
@@ -167,36 +194,65 @@ class Generation:
         await asyncio.shield(task)
 
     async def _abort(self, req_ids: list[str]) -> None:
-        for req_id in req_ids:
-            await queue.abort(self.r, req_id)
+        try:
+            for req_id in req_ids:
+                await queue.abort(self.r, req_id)
+        except redis.asyncio.RedisError as err:  # its gateway's liveness ends it at worst
+            log.warning("could not abort %s: %s", req_ids, err)
 
-    async def _records(self) -> AsyncIterator[tuple[int, queue.OutputRecord]]:
+    async def _records(self) -> AsyncIterator[tuple[int, queue.OutputRecord | None]]:
         """(prompt index, record) from every prompt's output stream (``submit`` subscribed),
-        merged as they come, until each prompt's final record."""
+        merged as they come, until each prompt's final record; (-1, None) after each
+        ``keepalive_s`` without a record."""
         while not all(prompt.final for prompt in self.prompts):
-            i, item = await self._inbox.get()
+            wait = self.keepalive_s
+            if self.deadline is not None:
+                left = self.deadline - time.monotonic()
+                if left <= 0:
+                    raise GenerationError(
+                        APIError(504, "the request passed its deadline", code="request_timeout")
+                    )
+                wait = left if wait is None else min(wait, left)
+            try:
+                i, item = await asyncio.wait_for(self._inbox.get(), wait)
+            except TimeoutError:
+                yield -1, None
+                continue
+            if isinstance(item, GenerationError):
+                raise item
             if isinstance(item, Exception):
-                raise GenerationError(f"reading the output failed: {item}") from item
+                message = f"reading the output failed: {item}"
+                raise GenerationError(APIError(503, message, code="redis_unavailable")) from item
             yield i, item
 
     def _apply(self, prompt: _Prompt, record: queue.OutputRecord) -> list[Delta]:
         prompt.cached_tokens = record.cached_tokens
         prompt.final = prompt.final or record.final
         if record.finish_reason == "error":
-            raise GenerationError(record.error or "the worker failed the request")
+            message = f"generation failed: {record.error or 'the worker failed the request'}"
+            raise GenerationError(APIError(500, message, code="worker_error"))
         deltas = []
         if 0 <= record.index < len(prompt.sequences):
             seq = prompt.sequences[record.index]
+            if record.token_ids and record.offset < seq.tokens:  # had it before a restart
+                return []
             if record.token_ids:
                 self._observe(seq, len(record.token_ids))
             if seq.finish_reason is None and (record.text or record.finish_reason):
                 seq.finish_reason = record.finish_reason
                 deltas.append(Delta(seq.index, record.text, record.finish_reason))
-        if record.final:  # an abort of the whole request ends every sequence
-            for seq in prompt.sequences:
-                if seq.finish_reason is None:
-                    seq.finish_reason = record.finish_reason or "abort"
-                    deltas.append(Delta(seq.index, "", seq.finish_reason))
+        if record.final:
+            deltas += self._end_all(prompt, record)
+        return deltas
+
+    @staticmethod
+    def _end_all(prompt: _Prompt, record: queue.OutputRecord) -> list[Delta]:
+        """A final record (an abort of the whole request) ends every sequence still going."""
+        deltas = []
+        for seq in prompt.sequences:
+            if seq.finish_reason is None:
+                seq.finish_reason = record.finish_reason or "abort"
+                deltas.append(Delta(seq.index, "", seq.finish_reason))
         return deltas
 
     def _observe(self, seq: _Sequence, tokens: int) -> None:

@@ -15,13 +15,16 @@ import zmq.asyncio
 
 from kvstore import protocol as p
 from kvstore.client import KVStoreError, KVStoreTimeout
+from kvstore.security import env_token
 
 __all__ = ["AsyncKVClient", "KVStoreError", "KVStoreTimeout"]
 
 
 class AsyncKVClient:
-    def __init__(self, endpoint: str, timeout_s: float = 2.0) -> None:
+    def __init__(self, endpoint: str, timeout_s: float = 2.0, token: str | None = None) -> None:
+        """``token``: sent with every call; None reads ``$PAGEDSERVE_KVSTORE_TOKEN``."""
         self.endpoint = endpoint
+        self._token = env_token() if token is None else token
         self.timeout_s = timeout_s
         self._ctx = zmq.asyncio.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
@@ -36,7 +39,7 @@ class AsyncKVClient:
         timeout = self.timeout_s if timeout_s is None else timeout_s
         async with self._lock:
             call_id = next(self._ids)
-            await self._sock.send(p.encode(p.Call(p.PROTOCOL_VERSION, call_id, body)))
+            await self._sock.send(p.encode(p.Call(p.PROTOCOL_VERSION, call_id, body, self._token)))
             loop = asyncio.get_running_loop()
             deadline = loop.time() + timeout
             while True:

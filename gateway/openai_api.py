@@ -3,10 +3,17 @@
 A stream is ``data: {json}\\n\\n`` events, one choice per event, ending with ``data: [DONE]``.
 Chat streams open with one ``{"role": "assistant", "content": ""}`` delta per choice; each
 choice's last event carries its ``finish_reason``. With ``stream_options.include_usage`` every
-chunk has ``"usage": null`` and a last chunk with no choices carries the usage. A worker failure
-after the stream started is sent as ``data: {"error": {...}}`` before ``[DONE]``; before it
-started, as a 500. ``usage.prompt_tokens_details.cached_tokens`` (the prefix-cache hit) is on
-every response that has a usage.
+chunk has ``"usage": null`` and a last chunk with no choices carries the usage. A stream with
+nothing to send for ``--sse-keepalive-s`` gets an SSE comment (``: keep-alive``). A request that
+cannot finish (a worker failure, Redis gone too long, its ``--request-timeout-s`` deadline, the
+server shutting down) ends a started stream with ``data: {"error": {...}}`` and ``[DONE]``, and a
+non-streaming request with that error's status (500, 503, 504).
+``usage.prompt_tokens_details.cached_tokens`` (the prefix-cache hit) is on every response that
+has a usage.
+
+Parsing and tokenizing run in the app's thread pool, never on the event loop: one huge prompt
+does not stall every other stream (and a prompt longer in characters than the context could
+hold in tokens is refused before it is tokenized).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from gateway.schemas import ChatRequest, CompletionRequest, decode_body
 from gateway.state import STATE, AppState
 
 _encode = msgspec.json.Encoder().encode
+KEEPALIVE = b": keep-alive\n\n"  # an SSE comment: clients ignore it, proxies see bytes
 SSE_HEADERS = {
     "Content-Type": "text/event-stream",
     "Cache-Control": "no-cache",
@@ -39,18 +47,28 @@ def routes() -> list[web.RouteDef]:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    req = decode_body(await _body(request, state), CompletionRequest)
-    check_model(state, req.model)
-    prepared = prepare_completion(req, state.model, state.config.max_n)
+    body = await _body(request, state)
+    prepared = await state.off_loop(_prepare_completion, state, body)
     return await _serve(request, state, prepared, _Format(chat=False))
 
 
 async def chat(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    req = decode_body(await _body(request, state), ChatRequest)
-    check_model(state, req.model)
-    prepared = prepare_chat(req, state.model, state.config.max_n)
+    body = await _body(request, state)
+    prepared = await state.off_loop(_prepare_chat, state, body)
     return await _serve(request, state, prepared, _Format(chat=True))
+
+
+def _prepare_completion(state: AppState, body: bytes) -> Prepared:
+    req = decode_body(body, CompletionRequest)
+    check_model(state, req.model)
+    return prepare_completion(req, state.model, state.config.max_n, state.kv_capacity)
+
+
+def _prepare_chat(state: AppState, body: bytes) -> Prepared:
+    req = decode_body(body, ChatRequest)
+    check_model(state, req.model)
+    return prepare_chat(req, state.model, state.config.max_n, state.kv_capacity)
 
 
 async def _body(request: web.Request, state: AppState) -> bytes:
@@ -73,21 +91,38 @@ def check_model(state: AppState, model: str | None) -> None:
 async def _serve(
     request: web.Request, state: AppState, prepared: Prepared, fmt: _Format
 ) -> web.StreamResponse:
-    queued = await state.queue_length()
+    if state.draining:
+        raise APIError(503, "the server is shutting down", code="server_shutdown")
+    try:
+        queued = await state.queue_length()
+    except redis.RedisError as err:
+        raise APIError(503, f"cannot queue the request: {err}", code="redis_unavailable") from err
     if queued >= state.config.max_queued:
         raise APIError(503, f"server busy: {queued} requests queued", code="overloaded")
-    request_id = f"{fmt.prefix}-{uuid.uuid4().hex}"
-    gen = Generation(state.redis, state.router, state.model, prepared, request_id, state.metrics)
+    config = state.config
+    keepalive_s = config.sse_keepalive_s if prepared.stream and config.sse_keepalive_s else None
+    timeout_s = config.request_timeout_s
+    gen = Generation(
+        state.redis,
+        state.router,
+        state.model,
+        prepared,
+        f"{fmt.prefix}-{uuid.uuid4().hex}",
+        state.metrics,
+        gateway_id=state.gateway_id,
+        deadline=time.monotonic() + timeout_s if timeout_s else None,
+        keepalive_s=keepalive_s,
+    )
     try:
-        try:
-            await gen.submit()
-        except redis.RedisError as err:
-            raise APIError(
-                503, f"cannot queue the request: {err}", code="redis_unavailable"
-            ) from err
-        if prepared.stream:
-            return await _stream(request, gen, fmt)
-        return await _complete(gen, fmt)
+        with state.in_flight(gen):
+            try:
+                await gen.submit()
+            except redis.RedisError as err:
+                message = f"cannot queue the request: {err}"
+                raise APIError(503, message, code="redis_unavailable") from err
+            if prepared.stream:
+                return await _stream(request, gen, fmt)
+            return await _complete(gen, fmt)
     finally:
         await gen.close()
 
@@ -105,7 +140,7 @@ async def _complete(gen: Generation, fmt: _Format) -> web.Response:
                 texts[delta.index].append(delta.text)
                 finish[delta.index] = delta.finish_reason or finish[delta.index]
     except GenerationError as err:
-        raise APIError(500, f"generation failed: {err}", code="worker_error") from err
+        raise err.error from err
     choices = [fmt.choice(i, "".join(texts[i]), finish[i]) for i in range(n)]
     body = fmt.envelope(gen.request_id, gen.model.name, choices, stream=False)
     body["usage"] = gen.usage().as_dict()
@@ -129,10 +164,12 @@ async def _stream(request: web.Request, gen: Generation, fmt: _Format) -> web.St
     await response.write(b"".join(event([c]) for c in opening if c is not None))
     try:
         async for deltas in gen.deltas():
+            if not deltas:
+                await response.write(KEEPALIVE)
+                continue
             await response.write(b"".join(event([fmt.chunk(d)]) for d in deltas))
     except GenerationError as err:
-        error = APIError(500, f"generation failed: {err}", code="worker_error")
-        await response.write(b"data: " + _encode(error.body()) + b"\n\n")
+        await response.write(b"data: " + _encode(err.error.body()) + b"\n\n")
     if include_usage:
         body = fmt.envelope(gen.request_id, gen.model.name, [], True, created)
         body["usage"] = gen.usage().as_dict()

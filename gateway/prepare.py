@@ -5,6 +5,12 @@ server's limits happens here, before anything reaches Redis; each failure is a 4
 parameter. Defaults follow vLLM: ``max_tokens`` 16 for completions, the rest of the context for
 chat; ``temperature`` 1.
 
+Capacity: a request must also fit the kvstore's pool (``KVCapacity``, read from the kvstore):
+one whose prompt and ``max_tokens`` need more KV blocks than one request may hold gets a 400
+(``context_length_exceeded``, naming the KV capacity), as one past the context does; a default
+``max_tokens`` is capped to fit. A prompt with more characters than the context could hold
+tokens (at the longest token of the vocabulary) is refused before it is tokenized.
+
 Chat prompts use the tokenizer's chat template when it has one (rendered with
 ``add_generation_prompt=True``, tokenized without adding special tokens, as vLLM does). Without
 one (``tiny``), the plain template is: each message as ``"{role}: {content}\\n"``, then
@@ -22,10 +28,10 @@ from transformers import PreTrainedTokenizerBase
 
 from gateway.config import GatewayConfig
 from gateway.errors import bad_request
+from gateway.limits import KVCapacity, Limits, beam_width_of
 from gateway.queue import SamplingParams
 from gateway.schemas import ChatRequest, CompletionRequest
 
-COMPLETION_DEFAULT_MAX_TOKENS = 16
 MAX_PROMPTS = 256  # prompts in one completions request
 MAX_STOP = 16  # stop strings per request
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -34,13 +40,16 @@ _INT32 = 2**31
 
 @dataclass(frozen=True)
 class ModelInfo:
-    """What the gateway knows of the served model (no weights)."""
+    """What the gateway knows of the served model (no weights). ``max_token_chars``: the
+    longest token of the vocabulary, in characters (a text longer than ``context_len`` times it
+    cannot fit the context)."""
 
     name: str
     tokenizer: PreTrainedTokenizerBase
     context_len: int
     vocab_size: int
     created: int
+    max_token_chars: int = 64
 
     @classmethod
     def load(cls, config: GatewayConfig) -> ModelInfo:
@@ -50,12 +59,14 @@ class ModelInfo:
         model_config = load_config(config.model)
         text = getattr(model_config, "get_text_config", lambda: model_config)()
         context = config.max_model_len or int(text.max_position_embeddings)
+        tokenizer = load_tokenizer(config.model)
         return cls(
             name=config.model_name(),
-            tokenizer=load_tokenizer(config.model),
+            tokenizer=tokenizer,
             context_len=context,
             vocab_size=int(text.vocab_size),
             created=int(time.time()),
+            max_token_chars=max((len(t) for t in tokenizer.get_vocab()), default=1),
         )
 
 
@@ -72,7 +83,9 @@ class Prepared:
     echo_texts: list[str] | None = None  # completions with echo: the prompts' text
 
 
-def prepare_completion(req: CompletionRequest, model: ModelInfo, max_n: int) -> Prepared:
+def prepare_completion(
+    req: CompletionRequest, model: ModelInfo, max_n: int, capacity: KVCapacity | None = None
+) -> Prepared:
     for name, value in (("logprobs", req.logprobs), ("suffix", req.suffix)):
         if value is not None:
             raise bad_request(f"{name} is not supported", name, "unsupported_parameter")
@@ -82,11 +95,14 @@ def prepare_completion(req: CompletionRequest, model: ModelInfo, max_n: int) -> 
         pairs = zip(texts, prompts, strict=True)
         echo_texts = [t if t is not None else _decode(model, p) for t, p in pairs]
     longest = max(len(p) for p in prompts)
-    max_tokens = _max_tokens(req.max_tokens, "max_tokens", longest, model, "prompt")
+    limits = Limits(model, capacity, beam_width_of(req))
+    max_tokens = limits.max_tokens(req.max_tokens, "max_tokens", longest, "prompt")
     return _prepared(req, prompts, max_tokens, model, max_n, echo_texts)
 
 
-def prepare_chat(req: ChatRequest, model: ModelInfo, max_n: int) -> Prepared:
+def prepare_chat(
+    req: ChatRequest, model: ModelInfo, max_n: int, capacity: KVCapacity | None = None
+) -> Prepared:
     for name, value in (("tools", req.tools), ("functions", req.functions)):
         if value:
             raise bad_request(f"{name} are not supported", name, "unsupported_parameter")
@@ -100,7 +116,8 @@ def prepare_chat(req: ChatRequest, model: ModelInfo, max_n: int) -> Prepared:
     requested, param = req.max_tokens, "max_tokens"
     if req.max_completion_tokens is not None:
         requested, param = req.max_completion_tokens, "max_completion_tokens"
-    max_tokens = _max_tokens(requested, param, len(prompt), model, "messages", chat=True)
+    limits = Limits(model, capacity, beam_width_of(req))
+    max_tokens = limits.max_tokens(requested, param, len(prompt), "messages", chat=True)
     return _prepared(req, [prompt], max_tokens, model, max_n, None)
 
 
@@ -141,6 +158,13 @@ def _check_ids(ids: list[int], model: ModelInfo, param: str) -> list[int]:
 
 
 def _encode(model: ModelInfo, text: str, special: bool, param: str) -> list[int]:
+    if len(text) > model.context_len * model.max_token_chars:  # before any tokenizing
+        raise bad_request(
+            f"this model's maximum context length is {model.context_len} tokens; {param} has "
+            f"{len(text)} characters, more than that many tokens can hold",
+            param,
+            "context_length_exceeded",
+        )
     backend = getattr(model.tokenizer, "backend_tokenizer", None)  # fast tokenizers: the Rust
     if backend is not None:  # one directly, a tenth of the time of the wrapper's __call__
         ids = backend.encode(text, add_special_tokens=special).ids
@@ -194,39 +218,6 @@ def _content(content: Any, i: int) -> str:
 
 
 # ---------------------------------------------------------------- sampling parameters
-def _max_tokens(
-    requested: int | None,
-    param: str,
-    prompt_len: int,
-    model: ModelInfo,
-    prompt_param: str,
-    chat: bool = False,
-) -> int:
-    """The request's max_tokens, checked against the context (explicit values past it are an
-    error; the completions default is capped to fit)."""
-    context = model.context_len
-    if prompt_len >= context:
-        raise bad_request(
-            f"this model's maximum context length is {context} tokens; the prompt has "
-            f"{prompt_len} tokens, leaving no room for output",
-            prompt_param,
-            "context_length_exceeded",
-        )
-    room = context - prompt_len
-    if requested is None:
-        return room if chat else min(COMPLETION_DEFAULT_MAX_TOKENS, room)
-    if requested < 1:
-        raise bad_request(f"{param} must be at least 1, got {requested}", param)
-    if requested > room:
-        raise bad_request(
-            f"this model's maximum context length is {context} tokens; you requested "
-            f"{prompt_len + requested} ({prompt_len} in the prompt, {requested} in {param})",
-            param,
-            "context_length_exceeded",
-        )
-    return requested
-
-
 def _prepared(
     req: CompletionRequest | ChatRequest,
     prompts: list[list[int]],

@@ -13,6 +13,9 @@ Keys (all under ``pagedserve:``)::
     pagedserve:abort:{req_id}  string "1": the client went away (SET EX ABORT_TTL_S)
     pagedserve:wake:{reader}   stream (MAXLEN ~16, EXPIRE WAKE_TTL_S): wakes a reader's
                                blocked ``read_outputs`` so it adds new requests' streams
+    pagedserve:gateway:{id}    string "1" with a TTL: the gateway ``id`` is alive (it renews
+                               the key, ``renew_gateway``); workers abort the requests of a
+                               gateway whose key is gone (``RequestRecord.gateway``)
 
 An entry's fields: ``v`` (record version, b"1"), ``rec`` (one msgspec Struct as MessagePack) and,
 for requests, ``id`` (the req_id in clear, so a malformed record can still be answered).
@@ -33,6 +36,8 @@ Lifecycle and cleanup:
   ``OUTPUT_IDLE_TTL_S`` while running (so a stream of a request nobody finishes still goes
   away), ``OUTPUT_TTL_S`` after its final record.
 - Abort keys expire by themselves after ``ABORT_TTL_S``.
+- A worker that lost track of its requests (Redis or the kvstore went away) or a restarted one
+  under the same consumer name takes its own pending entries back with ``claim_own``.
 
 A gateway reads all its requests' output streams with one blocking ``read_outputs`` (one XREAD
 over every stream, one round trip per worker step instead of one per request); ``wake`` makes
@@ -50,46 +55,40 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import redis
 import redis.asyncio
 import redis.client
 
-from gateway.records import _VERSION
-from gateway.records import (
-    RECORD_VERSION as RECORD_VERSION,
+from gateway.records import (  # the contract's records, re-exported
+    _VERSION,
+    RECORD_VERSION,
+    FinishReason,
+    OutputRecord,
+    RecordError,
+    RequestRecord,
+    SamplingParams,
+    Streamed,
+    StreamedSequence,
+    decode_output,
+    decode_request,
+    encode,
 )
-from gateway.records import (  # re-exported: the contract's records
-    FinishReason as FinishReason,
-)
-from gateway.records import (
-    OutputRecord as OutputRecord,
-)
-from gateway.records import (
-    RecordError as RecordError,
-)
-from gateway.records import (
-    RequestRecord as RequestRecord,
-)
-from gateway.records import (
-    SamplingParams as SamplingParams,
-)
-from gateway.records import (
-    Streamed as Streamed,
-)
-from gateway.records import (
-    StreamedSequence as StreamedSequence,
-)
-from gateway.records import (
-    decode_output as decode_output,
-)
-from gateway.records import (
-    decode_request as decode_request,
-)
-from gateway.records import (
-    encode as encode,
-)
+
+__all__ = [
+    "RECORD_VERSION",
+    "FinishReason",
+    "OutputRecord",
+    "RecordError",
+    "RequestRecord",
+    "SamplingParams",
+    "Streamed",
+    "StreamedSequence",
+    "decode_output",
+    "decode_request",
+    "encode",
+]
 
 log = logging.getLogger("pagedserve.queue")
 
@@ -106,6 +105,14 @@ CLAIM_IDLE_MS = 30_000  # a pending request untouched this long belongs to a dea
 MAX_DELIVERIES = 3  # deliveries (first read + claims) before a request is failed
 STREAM_READ_COUNT = 256  # entries per XREAD in stream_output
 WAKE_TTL_S = 3600  # a wake stream outlives its reader by at most this
+GATEWAY_TTL_S = 30  # a gateway's liveness key lives this long unless renewed
+
+
+class Checked(NamedTuple):
+    """What ``step`` found: requests whose client aborted, gateways no longer alive."""
+
+    aborted: set[str]
+    gateways_gone: set[str]
 
 
 def output_key(req_id: str) -> str:
@@ -118,6 +125,10 @@ def abort_key(req_id: str) -> str:
 
 def wake_key(reader: str) -> str:
     return f"{KEY_PREFIX}wake:{reader}"
+
+
+def gateway_key(gateway_id: str) -> str:
+    return f"{KEY_PREFIX}gateway:{gateway_id}"
 
 
 _OUTPUT_PREFIX = output_key("")
@@ -210,6 +221,54 @@ def claim_stale(
         pipe.xpending_range(REQUEST_STREAM, REQUEST_GROUP, entry_id, entry_id, 1)
     deliveries = {p[0]["message_id"]: p[0]["times_delivered"] for p in pipe.execute() if p}
     return _accept(r, entries, deliveries, max_deliveries)
+
+
+_CLAIM_OWN_LUA = """
+local pending = redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', tonumber(ARGV[3]), ARGV[2])
+local out = {}
+for _, p in ipairs(pending) do
+  if ARGV[4] == '1' then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, p[1])
+    out[#out + 1] = p[1]
+    out[#out + 1] = p[4] + 1
+  else
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, p[1], 'JUSTID')
+    out[#out + 1] = p[1]
+    out[#out + 1] = p[4]
+  end
+end
+return out
+"""
+
+
+def claim_own(
+    r: redis.Redis,
+    consumer: str,
+    redeliver: bool,
+    max_deliveries: int = MAX_DELIVERIES,
+    limit: int = 10_000,
+) -> list[tuple[str, RequestRecord]]:
+    """``consumer``'s own pending requests, to serve again: after a restart under the same name
+    (``redeliver``: each counts as a delivery, and those delivered more than ``max_deliveries``
+    times are failed, as in ``claim_stale``: a request that kills its worker must not kill it
+    forever), or after the worker lost track of them while Redis or the kvstore was away (not a
+    new delivery). Atomic (one script): an entry another worker claimed meanwhile is not taken
+    back, and each one taken has its idle time reset, so no one claims it now. Resume each from
+    ``read_streamed``."""
+    flag = "1" if redeliver else "0"
+    reply = r.eval(_CLAIM_OWN_LUA, 1, REQUEST_STREAM, REQUEST_GROUP, consumer, limit, flag)
+    ids, counts = [_s(x) for x in reply[::2]], [int(x) for x in reply[1::2]]
+    if not ids:
+        return []
+    pipe = r.pipeline(transaction=False)
+    for entry_id in ids:
+        pipe.xrange(REQUEST_STREAM, entry_id, entry_id, 1)
+    found = {_s(rows[0][0]): rows[0][1] for rows in pipe.execute() if rows}
+    gone = [entry_id for entry_id in ids if entry_id not in found]
+    if gone:  # deleted from the stream without an ack: nothing left to serve
+        r.xack(REQUEST_STREAM, REQUEST_GROUP, *gone)
+    deliveries: dict[Any, int] = dict(zip(ids, counts, strict=True))
+    return _accept(r, list(found.items()), deliveries, max_deliveries)
 
 
 def _accept(
@@ -338,20 +397,25 @@ def step(
     records: Iterable[OutputRecord],
     ack_ids: Sequence[str] = (),
     check_aborted: Sequence[str] = (),
-) -> set[str]:
+    check_gateways: Sequence[str] = (),
+) -> Checked:
     """One engine step's Redis traffic in one round trip: publish the deltas, ack the finished
-    requests (ack after their final record), and return which of ``check_aborted`` were
-    aborted. Not atomic: a crash may leave a final record unacked; ``read_streamed(...).final``
-    tells the worker that reclaims it to just ack it."""
+    requests (ack after their final record), and find which of ``check_aborted`` were aborted
+    and which of ``check_gateways`` are no longer alive. Not atomic: a crash may leave a final
+    record unacked; ``read_streamed(...).final`` tells the worker that reclaims it to just ack
+    it."""
     pipe = r.pipeline(transaction=False)
     publish(pipe, records)
     ack(pipe, ack_ids)
-    if check_aborted:
-        pipe.mget([abort_key(req_id) for req_id in check_aborted])
+    keys = [abort_key(i) for i in check_aborted] + [gateway_key(g) for g in check_gateways]
+    if keys:
+        pipe.mget(keys)
     results = pipe.execute()
-    if not check_aborted:
-        return set()
-    return {i for i, v in zip(check_aborted, results[-1], strict=True) if v is not None}
+    values = results[-1] if keys else []
+    aborted = {i for i, v in zip(check_aborted, values, strict=False) if v is not None}
+    alive = values[len(check_aborted) :]
+    gone = {g for g, v in zip(check_gateways, alive, strict=True) if v is None}
+    return Checked(aborted, gone)
 
 
 def read_streamed(r: redis.Redis, req_id: str) -> Streamed:
@@ -375,6 +439,33 @@ async def submit(r: redis.asyncio.Redis, record: RequestRecord) -> str:
     record.params.validate()
     fields = {"v": _VERSION, "id": record.req_id, "rec": encode(record)}
     return _s(await r.xadd(REQUEST_STREAM, fields))
+
+
+async def renew_gateway(r: redis.asyncio.Redis, gateway_id: str, ttl_s: float) -> None:
+    """Says gateway ``gateway_id`` is alive for ``ttl_s`` more seconds (renew well before)."""
+    await r.set(gateway_key(gateway_id), b"1", px=max(int(ttl_s * 1000), 1))
+
+
+async def drop_gateway(r: redis.asyncio.Redis, gateway_id: str) -> None:
+    """The gateway stops: workers abort what is left of its requests at once."""
+    await r.delete(gateway_key(gateway_id))
+
+
+async def missing(r: redis.asyncio.Redis, requests: dict[str, str]) -> set[str]:
+    """Of ``requests`` (req_id -> its entry id in the request stream), those Redis no longer
+    knows: neither the entry (waiting or being served) nor an output stream (it finished) is
+    there, as after a restart that lost them (no persistence, or writes of the last second)."""
+    if not requests:
+        return set()
+    async with r.pipeline(transaction=False) as pipe:
+        for req_id, entry_id in requests.items():
+            pipe.xrange(REQUEST_STREAM, entry_id, entry_id, 1)
+            pipe.exists(output_key(req_id))
+        found = await pipe.execute()
+    pairs = zip(found[::2], found[1::2], strict=True)
+    return {
+        req_id for req_id, (entry, out) in zip(requests, pairs, strict=True) if not (entry or out)
+    }
 
 
 async def abort(r: redis.asyncio.Redis, req_id: str) -> None:

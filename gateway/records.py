@@ -60,7 +60,9 @@ class RequestRecord(msgspec.Struct, array_like=True, forbid_unknown_fields=True,
     """One request, as the gateway submits it. ``arrival_time``: the gateway's ``time.time()``.
     ``salt``: mixed into the prefix-cache hash, so only requests with the same salt share
     blocks. ``priority``: lower is served first among the requests one worker holds (the stream
-    itself is FIFO)."""
+    itself is FIFO). ``gateway``: the id of the gateway waiting for the output, whose liveness
+    key (``queue.gateway_key``) it renews; once that key is gone, workers abort the request
+    (nobody would read it). Empty: no gateway (a program using the Redis contract directly)."""
 
     req_id: str
     prompt_token_ids: list[int]
@@ -69,6 +71,7 @@ class RequestRecord(msgspec.Struct, array_like=True, forbid_unknown_fields=True,
     arrival_time: float
     salt: bytes | None = None
     priority: int = 0
+    gateway: str = ""
 
 
 class OutputRecord(
@@ -84,6 +87,9 @@ class OutputRecord(
     record of a request. ``text``: the output text these tokens add, as the worker's stop checker
     released it (a stop string and an incomplete UTF-8 character are never in it; the held-back
     characters come with a later record): clients stream ``text``, not a decode of the tokens.
+    ``offset``: how many tokens of this sequence came before this record's. A worker that
+    rebuilds a request after a Redis restart lost the stream's last entries publishes those
+    tokens again, with the same offsets and text: a reader skips what it already has.
     """
 
     req_id: str
@@ -96,6 +102,7 @@ class OutputRecord(
     cached_tokens: int = 0
     final: bool = False
     text: str = ""
+    offset: int = 0
 
 
 class StreamedSequence(msgspec.Struct):

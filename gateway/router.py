@@ -4,16 +4,22 @@
 requests' streams, so a worker step that publishes deltas for 200 requests costs the gateway one
 or two round trips, not 200, and one Redis connection, not one per request. A new subscription
 wakes the XREAD (``queue.wake``) so its stream joins at once. Each record goes to its
-subscriber's callback; after a request's final record it is dropped. If Redis fails, every
-subscriber gets the exception (their requests fail) and the loop retries.
+subscriber's callback; after a request's final record it is dropped.
+
+If Redis fails, the loop retries (every ``RETRY_S``) and the subscribers wait: when Redis comes
+back within ``outage_s`` (restarted with its append-only file), reading goes on from each
+stream's cursor, except for the requests Redis no longer knows (``queue.missing``: lost with
+writes it had not persisted), whose subscribers get an error. Past ``outage_s``, every
+subscriber gets the exception (their requests fail).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import redis
@@ -31,12 +37,27 @@ RETRY_S = 0.5
 class _Subscription:
     sink: Sink
     cursor: str = "0-0"
+    entry_id: str = ""  # its request entry, once submitted
+
+
+class LostInRedis(Exception):
+    """Redis came back without the request (a restart lost it)."""
 
 
 class OutputRouter:
-    def __init__(self, r: redis.asyncio.Redis, block_ms: int = 1000) -> None:
+    def __init__(
+        self,
+        r: redis.asyncio.Redis,
+        block_ms: int = 1000,
+        outage_s: float = 30,
+        on_reconnect: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        """``on_reconnect``: awaited when Redis answers again after an outage (the gateway
+        renews its liveness key, which a restart may have lost)."""
         self.r = r
         self.block_ms = block_ms
+        self.outage_s = outage_s
+        self.on_reconnect = on_reconnect
         self.reader = f"gateway-{uuid.uuid4().hex[:12]}"
         self._subs: dict[str, _Subscription] = {}
         self._wake_cursor = "0-0"
@@ -61,6 +82,12 @@ class OutputRouter:
             self._woken = True
             await queue.wake(self.r, self.reader)
 
+    def submitted(self, req_id: str, entry_id: str) -> None:
+        """``req_id`` was queued as ``entry_id`` (checked for after a Redis outage)."""
+        sub = self._subs.get(req_id)
+        if sub is not None:
+            sub.entry_id = entry_id
+
     def unsubscribe(self, req_id: str) -> None:
         self._subs.pop(req_id, None)
 
@@ -78,20 +105,25 @@ class OutputRouter:
 
     async def run(self) -> None:
         """Reads until ``stop``ped or cancelled."""
+        down_since: float | None = None
         while not self._stopping:
             self._woken = False
             cursors = {req_id: sub.cursor for req_id, sub in self._subs.items()}
             try:
+                if down_since is not None:
+                    await self._drop_lost()
                 records, self._wake_cursor = await queue.read_outputs(
                     self.r, cursors, self.reader, self._wake_cursor, self.block_ms
                 )
             except redis.RedisError as err:
-                log.error("reading output streams failed: %s; retrying", err)
-                subs, self._subs = self._subs, {}
-                for sub in subs.values():
-                    sub.sink(err)
+                down_since = self._outage(err, down_since)
                 await asyncio.sleep(RETRY_S)
                 continue
+            if down_since is not None:
+                log.warning("redis is back after %.1f s", time.monotonic() - down_since)
+                down_since = None
+                if self.on_reconnect is not None:
+                    await self.on_reconnect()
             for req_id, entry_id, record in records:
                 sub = self._subs.get(req_id)
                 if sub is None:
@@ -100,3 +132,32 @@ class OutputRouter:
                 if record.final:
                     del self._subs[req_id]
                 sub.sink(record)
+
+    def _outage(self, err: Exception, down_since: float | None) -> float:
+        """Redis failed: subscribers wait until ``outage_s`` has passed, then all fail."""
+        now = time.monotonic()
+        if down_since is None:
+            log.error(
+                "reading output streams failed: %s; %d requests wait up to %.0f s for redis",
+                err,
+                len(self._subs),
+                self.outage_s,
+            )
+            down_since = now
+        if now - down_since >= self.outage_s and self._subs:
+            log.error(
+                "redis down for %.0f s: failing %d requests", now - down_since, len(self._subs)
+            )
+            subs, self._subs = self._subs, {}
+            for sub in subs.values():
+                sub.sink(err)
+        return down_since
+
+    async def _drop_lost(self) -> None:
+        """After an outage: the subscriptions whose request Redis lost get an error."""
+        submitted = {req_id: sub.entry_id for req_id, sub in self._subs.items() if sub.entry_id}
+        for req_id in await queue.missing(self.r, submitted):
+            sub = self._subs.pop(req_id, None)
+            if sub is not None:
+                log.warning("request %s was lost by a redis restart", req_id)
+                sub.sink(LostInRedis(f"request {req_id} was lost when redis restarted"))

@@ -3,7 +3,8 @@
 Fields follow OpenAI's API; extensions (as in vLLM) are marked. Unknown fields are ignored (as
 vLLM does), so clients that send newer OpenAI fields keep working; a known field of the wrong
 type is a 400 naming it. ``decode_body`` turns every way a body can be unreadable (not UTF-8, not
-JSON, a lone UTF-16 surrogate escape, not an object, a wrong type) into an ``APIError``.
+JSON, a lone UTF-16 surrogate escape, nested too deeply, not an object, a wrong type) into an
+``APIError``.
 """
 
 from __future__ import annotations
@@ -89,6 +90,8 @@ def decode_body(body: bytes, kind: type[T]) -> T:
         raise bad_request("the request body is empty; send a JSON object", code="invalid_json")
     try:
         return msgspec.json.decode(body, type=kind)
+    except RecursionError:  # msgspec's depth limit: a body nested thousands deep
+        raise bad_request("invalid JSON: nested too deeply", code="invalid_json") from None
     except UnicodeDecodeError as err:
         raise bad_request(f"the request body is not UTF-8: {err}", code="invalid_json") from err
     except msgspec.ValidationError as err:

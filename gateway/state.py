@@ -1,24 +1,47 @@
-"""What every handler of one gateway app shares: config, model, clients, metrics."""
+"""What every handler of one gateway app shares: config, model, clients, metrics, and the
+requests in flight (for a shutdown that drains them).
+
+Background work, on the app's loop: the output router (``gateway.router``) and the
+housekeeping loop, which renews this gateway's liveness key in Redis (workers abort the requests
+of a gateway whose key expired) and refreshes what the kvstore can hold (``kv_capacity``, the
+admission check of ``gateway.prepare``).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
+import logging
 import time
-from collections.abc import AsyncIterator
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import redis.asyncio
 from aiohttp import web
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
 
 from gateway import queue
 from gateway.config import GatewayConfig
-from gateway.kvclient import AsyncKVClient
+from gateway.errors import APIError
+from gateway.generation import Generation
+from gateway.kvclient import AsyncKVClient, KVStoreError, KVStoreTimeout
+from gateway.limits import KVCapacity
 from gateway.metrics import Metrics
 from gateway.prepare import ModelInfo
 from gateway.router import OutputRouter
 
+log = logging.getLogger("pagedserve.gateway")
 QUEUE_LENGTH_TTL_S = 0.05  # back-pressure reads XLEN at most this often
 REDIS_MAX_CONNECTIONS = 256  # more concurrent commands wait for a free connection
+REDIS_RETRIES = 3  # a command that fails on its connection (Redis restarted) is tried again
+CAPACITY_REFRESH_S = 5.0  # how often the kvstore's capacity is read again
+PREPARE_THREADS = 4  # request parsing and tokenizing, off the event loop
+T = TypeVar("T")
 
 
 @dataclass
@@ -27,9 +50,16 @@ class AppState:
     model: ModelInfo
     admin_token: str | None
     metrics: Metrics
+    api_key: str | None = None
+    gateway_id: str = field(default_factory=lambda: f"gateway-{uuid.uuid4().hex[:12]}")
+    draining: bool = False  # shutting down: new requests get 503
+    kv_capacity: KVCapacity | None = None  # None until the kvstore answered once
     _redis: redis.asyncio.Redis | None = None
     _kv: AsyncKVClient | None = None
     _router: OutputRouter | None = None
+    _executor: ThreadPoolExecutor | None = None
+    _in_flight: set[Generation] = field(default_factory=set)
+    _idle: asyncio.Event = field(default_factory=asyncio.Event)
     _queue_length: int = 0
     _queue_length_at: float = field(default=float("-inf"))
 
@@ -49,19 +79,94 @@ class AppState:
         return self._router
 
     async def connections(self, app: web.Application) -> AsyncIterator[None]:
-        """aiohttp cleanup context: clients and the output reader live on the app's loop."""
+        """aiohttp cleanup context: clients, the output reader and the housekeeping loop live
+        on the app's loop. On the way out the liveness key is dropped, so workers abort what
+        is left of this gateway's requests at once."""
         pool = redis.asyncio.BlockingConnectionPool.from_url(
-            self.config.redis_url, max_connections=REDIS_MAX_CONNECTIONS, timeout=None
+            self.config.redis_url,
+            max_connections=REDIS_MAX_CONNECTIONS,
+            timeout=None,
+            # a connection Redis closed (it restarted) fails once and is retried on a new one
+            retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), REDIS_RETRIES),
         )
         self._redis = redis.asyncio.Redis(connection_pool=pool)
         self._kv = AsyncKVClient(self.config.kvstore, self.config.kvstore_timeout_s)
-        self._router = OutputRouter(self._redis)
+        self._router = OutputRouter(
+            self._redis, outage_s=self.config.redis_outage_s, on_reconnect=self._renew
+        )
+        self._executor = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="prepare")
+        self._idle.set()
+        await self._renew()  # before any request can name this gateway
         reader = asyncio.create_task(self._router.run(), name="output-router")
+        housekeeping = asyncio.create_task(self._housekeeping(), name="housekeeping")
         yield
+        housekeeping.cancel()
         await self._router.stop(reader)
+        with contextlib.suppress(redis.RedisError):
+            await queue.drop_gateway(self._redis, self.gateway_id)
         await self._redis.aclose()
         await pool.aclose()
         self._kv.close()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------------ background
+    async def _housekeeping(self) -> None:
+        interval = min(self.config.liveness_ttl_s / 3, CAPACITY_REFRESH_S)
+        while True:
+            await asyncio.sleep(interval)
+            await self._renew()
+
+    async def _renew(self) -> None:
+        """Renews the liveness key and reads the kvstore's capacity; either may fail (Redis or
+        the kvstore away): it is tried again next time."""
+        try:
+            await queue.renew_gateway(self.redis, self.gateway_id, self.config.liveness_ttl_s)
+        except redis.RedisError as err:
+            log.warning("cannot renew the gateway's liveness in Redis: %s", err)
+        try:
+            stats = await self.kv.stats(0)
+            self.kv_capacity = KVCapacity(stats.admission_limit_blocks, stats.block_size)
+        except (KVStoreTimeout, KVStoreError):
+            pass  # /health says the kvstore is down
+
+    async def off_loop(self, fn: Callable[..., T], *args: object) -> T:
+        """``fn(*args)`` in the app's thread pool (parsing, tokenizing): the event loop keeps
+        serving every other stream meanwhile."""
+        assert self._executor is not None, "the app is not running"
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, functools.partial(fn, *args))
+
+    # ------------------------------------------------------------------ requests in flight
+    @contextlib.contextmanager
+    def in_flight(self, gen: Generation) -> Iterator[None]:
+        """Counts ``gen`` in flight while its handler runs (``drain`` waits for them)."""
+        self._in_flight.add(gen)
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self._in_flight.discard(gen)
+            if not self._in_flight:
+                self._idle.set()
+
+    async def drain(self, timeout_s: float) -> int:
+        """Stops taking requests and waits up to ``timeout_s`` for those in flight to finish;
+        then cuts the rest (error event and [DONE], or 503) and waits for their handlers to
+        answer. Returns how many were cut."""
+        self.draining = True
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        cut = list(self._in_flight)
+        error = APIError(503, "the server is shutting down", code="server_shutdown")
+        for gen in cut:
+            gen.cancel(error)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), 5.0)
+        return len(cut)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
 
     async def queue_length(self, fresh: bool = False) -> int:
         """Entries in the Redis request stream (waiting or in flight), re-read at most every

@@ -8,6 +8,7 @@ import time
 import zmq
 
 from kvstore import protocol as p
+from kvstore.security import env_token
 
 
 class KVStoreError(Exception):
@@ -25,10 +26,18 @@ class KVStoreTimeout(Exception):
 class KVClient:
     """One outstanding call at a time. Replies to earlier, timed-out calls are skipped by id."""
 
-    def __init__(self, endpoint: str, timeout_s: float = 10.0, spin_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        timeout_s: float = 10.0,
+        spin_s: float = 0.0,
+        token: str | None = None,
+    ) -> None:
         """``spin_s``: how long to busy-wait for a reply before sleeping in ``poll`` (a sleeping
-        process pays a scheduler wake-up, tens of µs on a VM; a worker's step is worth a core)."""
+        process pays a scheduler wake-up, tens of µs on a VM; a worker's step is worth a core).
+        ``token``: sent with every call; None reads ``$PAGEDSERVE_KVSTORE_TOKEN`` (unset: "")."""
         self.endpoint = endpoint
+        self._token = env_token() if token is None else token
         self.timeout_ms = int(timeout_s * 1000)
         self.spin_s = spin_s
         self._ctx = zmq.Context.instance()
@@ -40,7 +49,8 @@ class KVClient:
     def call(self, body: p.Request) -> p.ReplyBody:
         """Sends ``body`` and returns the reply body; raises ``KVStoreError`` on an Error reply."""
         call_id = next(self._ids)
-        reply = self.call_raw(p.encode(p.Call(p.PROTOCOL_VERSION, call_id, body)), call_id=call_id)
+        frame = p.encode(p.Call(p.PROTOCOL_VERSION, call_id, body, self._token))
+        reply = self.call_raw(frame, call_id=call_id)
         if isinstance(reply.body, p.Error):
             raise KVStoreError(reply.body.code, reply.body.message)
         return reply.body

@@ -1,13 +1,19 @@
 """``pagedserve kvstore``: the KV-cache daemon process.
 
 One thread: a ZeroMQ ROUTER socket polled with a short timeout; each frame is decoded, handled
-by ``KVService`` and answered (errors included: a malformed frame, a wrong protocol version or a
-handler failure get an ``Error`` reply and the loop goes on). Between frames it expires leases.
+by ``KVService`` and answered (errors included: a malformed frame, a wrong protocol version, a
+missing or wrong token or a handler failure get an ``Error`` reply and the loop goes on). Between
+frames it expires leases.
+
+Startup order: check the endpoint and bind it (fast: a refused endpoint costs no allocation),
+remove dead daemons' pool files, allocate the pools, serve. See ``kvstore.security`` for the
+token and the endpoint rules.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import time
@@ -19,13 +25,24 @@ import zmq
 
 from kvstore import protocol as p
 from kvstore.manager import KVCacheManager
+from kvstore.security import (
+    TOKEN_ENV,
+    EndpointError,
+    check_endpoint,
+    default_endpoint,
+    env_token,
+    ipc_path,
+    prepare_ipc_path,
+    token_matches,
+)
 from kvstore.service import KVService
 
 if TYPE_CHECKING:
     from kvstore.device import DevicePools
 
 log = logging.getLogger("pagedserve.kvstore")
-DEFAULT_ENDPOINT = "ipc:///tmp/pagedserve-kvstore.sock"
+DEFAULT_ENDPOINT = default_endpoint()  # ipc://<runtime dir>/kvstore.sock (kvstore.security)
+REFUSAL_LOG_INTERVAL_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -47,7 +64,9 @@ class KVStoreConfig:
     device: str = field(
         default="auto",
         metadata={
-            "help": "where the pool lives: 'cuda', 'cuda:N', 'cpu' (a /dev/shm file) or 'auto'"
+            "help": "where the pool lives: 'cuda', 'cuda:N', 'cpu' (a /dev/shm file of mode "
+            "0600, for workers of this user; files dead kvstores left there are removed at "
+            "startup) or 'auto'"
         },
     )
     block_size: int = field(default=16, metadata={"help": "tokens per KV block (a power of two)"})
@@ -66,7 +85,13 @@ class KVStoreConfig:
     )
     endpoint: str = field(
         default=DEFAULT_ENDPOINT,
-        metadata={"help": "ZeroMQ endpoint to bind: ipc:///path or tcp://host:port"},
+        metadata={
+            "help": "ZeroMQ endpoint to bind: ipc:///path or tcp://host:port. The default is "
+            "a socket in $XDG_RUNTIME_DIR/pagedserve (else <tmp>/pagedserve-<uid>), a directory "
+            "of mode 0700; an ipc socket is made 0600, a stale one (no daemon answers on it) is "
+            f"replaced. tcp:// needs ${TOKEN_ENV} set: with it, every call must carry that "
+            "shared secret (clients read the same variable)"
+        },
     )
     admission_watermark: float = field(
         default=0.01,
@@ -117,13 +142,27 @@ def disable_expandable_segments() -> None:
 
 
 def build_service(config: KVStoreConfig) -> tuple[KVService, DevicePools]:
-    """Allocates the pools (the slow part: progress is logged) and wires the service. Raises
-    ValueError on a flag that makes no sense (memory sizes, dtype)."""
+    """Removes dead daemons' pool files, allocates the pools (the slow part: progress is logged)
+    and wires the service. Raises ValueError on a flag that makes no sense (memory sizes, dtype)."""
     disable_expandable_segments()
-    from kvstore.device import DevicePools, blocks_for_memory, blocks_in_gib
+    from kvstore.device import (
+        SHM_DIR,
+        DevicePools,
+        blocks_for_memory,
+        blocks_in_gib,
+        remove_stale_pool_files,
+    )
     from pagedserve.model_config import kv_geometry, load_config, resolve_dtype
 
     device = resolve_device(config.device)
+    files, freed = remove_stale_pool_files()
+    if files:
+        log.info(
+            "removed %d stale pool file(s) of dead kvstores from %s: %.1f MiB freed",
+            files,
+            SHM_DIR,
+            freed / 2**20,
+        )
     model_config = load_config(config.model)
     geometry = kv_geometry(model_config, resolve_dtype(model_config, config.dtype, device))
     block_bytes = geometry.block_bytes(config.block_size)
@@ -152,16 +191,82 @@ def build_service(config: KVStoreConfig) -> tuple[KVService, DevicePools]:
     return service, pools
 
 
+class RefusalLog:
+    """Counts refused (unauthorized) calls and logs them at most once per ``interval_s``: a
+    client flooding the daemon with bad frames costs a log line every ``interval_s``, not one
+    per frame. ``flush`` logs what is pending once the interval has passed (or at once)."""
+
+    def __init__(self, interval_s: float = REFUSAL_LOG_INTERVAL_S) -> None:
+        self.interval_s = interval_s
+        self.pending = 0
+        self.total = 0
+        self.last_kind = ""
+        self._last_log = -math.inf
+
+    def refused(self, kind: str) -> None:
+        self.pending += 1
+        self.total += 1
+        self.last_kind = kind
+        self.flush()
+
+    def flush(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not self.pending or (not force and now - self._last_log < self.interval_s):
+            return
+        log.warning(
+            "refused %d unauthorized call(s) (last: %s): their token is missing or is not this "
+            "kvstore's %s",
+            self.pending,
+            self.last_kind,
+            TOKEN_ENV,
+        )
+        self.pending = 0
+        self._last_log = now
+
+
 class Daemon:
-    def __init__(self, service: KVService, endpoint: str, busy_poll: bool = False) -> None:
-        self.service = service
+    """Binds ``endpoint`` at construction (raises ``EndpointError`` with a one-line reason if it
+    must not or cannot), serves ``service`` in ``serve_forever``. ``token``: when non-empty,
+    calls must carry it."""
+
+    def __init__(self, endpoint: str, token: str = "", busy_poll: bool = False) -> None:
+        check_endpoint(endpoint, token)
         self.endpoint = endpoint
+        self.service: KVService | None = None
         self.poll_ms = 0 if busy_poll else 100
         self.stopping = False
+        self.refusals = RefusalLog()
+        self.stale_socket_removed = False
+        self._token = token.encode("utf-8", "surrogateescape")
+        self._ipc_path = ipc_path(endpoint)
+        self._ipc_inode: tuple[int, int] | None = None
+        if self._ipc_path is not None:
+            self.stale_socket_removed = prepare_ipc_path(self._ipc_path, token)
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.bind(endpoint)
+        try:
+            self._bind()
+        except zmq.ZMQError as err:
+            self.sock.close()
+            self.ctx.term()
+            hint = " (another kvstore on this port?)" if err.errno == zmq.EADDRINUSE else ""
+            raise EndpointError(
+                f"cannot bind {endpoint}: {zmq.strerror(err.errno)}{hint}"
+            ) from None
+
+    def _bind(self) -> None:
+        if self._ipc_path is None:
+            self.sock.bind(self.endpoint)
+            return
+        old_umask = os.umask(0o077)  # the socket file is never open to others, not even briefly
+        try:
+            self.sock.bind(self.endpoint)
+        finally:
+            os.umask(old_umask)
+        os.chmod(self._ipc_path, 0o600)
+        st = os.stat(self._ipc_path)
+        self._ipc_inode = (st.st_dev, st.st_ino)
 
     def reply_to(self, frames: list[bytes]) -> bytes:
         """The encoded reply to one received message (never raises)."""
@@ -187,6 +292,12 @@ class Daemon:
                     "version",
                     f"protocol version {call.version} is not {p.PROTOCOL_VERSION}",
                 )
+            if self._token and not token_matches(self._token, call.token):
+                self.refusals.refused(type(call.body).__name__)
+                return self._error(
+                    call_id, "unauthorized", f"the call's token is missing or is not {TOKEN_ENV}"
+                )
+            assert self.service is not None, "serve_forever sets the service"
             body = self.service.handle(call.body)
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as err:
             body = p.Error("bad_message", f"cannot decode the message: {err}")
@@ -199,35 +310,56 @@ class Daemon:
     def _error(call_id: int, code: str, message: str) -> bytes:
         return p.encode(p.Reply(p.PROTOCOL_VERSION, call_id, p.Error(code, message)))
 
-    def serve_forever(self) -> None:
-        log.info("kvstore serving on %s", self.endpoint)
+    def serve_forever(self, service: KVService) -> None:
+        self.service = service
+        if self._token:
+            log.info("kvstore serving on %s; calls must carry %s", self.endpoint, TOKEN_ENV)
+        else:
+            log.info("kvstore serving on %s (socket mode 0600, no token)", self.endpoint)
         last_tick = time.monotonic()
         while not self.stopping:
             if self.sock.poll(self.poll_ms):
                 identity, *frames = self.sock.recv_multipart()
                 self.sock.send_multipart([identity, self.reply_to(frames)])
             if time.monotonic() - last_tick >= 0.5:
-                self.service.tick()
+                service.tick()
+                self.refusals.flush()
                 last_tick = time.monotonic()
 
     def close(self) -> None:
+        """Closes the socket and removes its ipc file (only if it is still the one bound here)."""
+        self.refusals.flush(force=True)
         self.sock.close()
         self.ctx.term()
-        if self.endpoint.startswith("ipc://"):
-            path = self.endpoint.removeprefix("ipc://")
-            if os.path.exists(path):
-                os.unlink(path)
+        if self._ipc_path is not None and self._ipc_inode is not None:
+            try:
+                st = os.stat(self._ipc_path)
+            except FileNotFoundError:
+                return
+            if (st.st_dev, st.st_ino) == self._ipc_inode:
+                os.unlink(self._ipc_path)
 
 
 def run(config: KVStoreConfig) -> None:
+    """Binds, allocates, serves until SIGINT/SIGTERM. A refused endpoint exits non-zero with one
+    line on stderr before anything is logged or allocated; a bad flag, with one line too."""
+    try:
+        daemon = Daemon(config.endpoint, env_token(), config.busy_poll)
+    except EndpointError as err:
+        raise SystemExit(f"pagedserve kvstore: {err}") from None
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if daemon.stale_socket_removed:
+        log.info("replaced a stale socket file (no daemon answered on it) at %s", config.endpoint)
     try:
         service, pools = build_service(config)
     except ValueError as err:
+        daemon.close()
         raise SystemExit(f"pagedserve kvstore: {err}") from None
-    daemon = Daemon(service, config.endpoint, config.busy_poll)
+    except BaseException:
+        daemon.close()
+        raise
 
     def stop(signum: int, _frame: object) -> None:
         if not daemon.stopping:  # Ctrl-C reaches us from the terminal and from `pagedserve up`
@@ -237,7 +369,7 @@ def run(config: KVStoreConfig) -> None:
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
     try:
-        daemon.serve_forever()
+        daemon.serve_forever(service)
     finally:
         daemon.close()
         pools.close()

@@ -10,12 +10,19 @@ per (block, layer, K|V), through the per-layer views ``pool[:, layer, 0|1]``.
 Swap-out gathers the GPU blocks into a staging buffer on the device (``index_select``, ~TB/s) and
 copies it to the pinned CPU pool in one transfer per run of consecutive CPU ids; swap-in mirrors
 it. All on the daemon's own CUDA stream, synchronised before the daemon replies.
+
+On CPU the pool is ``/dev/shm/pagedserve-kv-<pid>-<random>``, mode 0600 (workers run as the
+daemon's user), flock-ed by its daemon for its life. A SIGKILLed daemon leaves it behind: the next
+one removes such files (``remove_stale_pool_files``) before it allocates.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
+import re
+import stat
 import time
 import uuid
 from collections.abc import Iterator
@@ -30,6 +37,9 @@ from pagedserve.model_config import KVGeometry
 log = logging.getLogger("pagedserve.kvstore")
 STAGING_BYTES = 256 << 20
 GiB = 1 << 30
+SHM_DIR = "/dev/shm"
+SHM_PREFIX = "pagedserve-kv-"
+_POOL_FILE = re.compile(re.escape(SHM_PREFIX) + r"([1-9][0-9]{0,6})-.+")
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -108,6 +118,7 @@ class DevicePools:
         self.geometry, self.block_size, self.device = geometry, block_size, torch.device(device)
         self.block_bytes = geometry.block_bytes(block_size)
         self.shm_path = ""
+        self._shm_fd = -1
         dtype = torch_dtype(geometry.dtype)
         shape = pool_shape(geometry, block_size, num_blocks)
         log.info(
@@ -121,8 +132,10 @@ class DevicePools:
             self.pool = torch.empty(shape, dtype=dtype, device=self.device)
             self.stream = torch.cuda.Stream(self.device)
         else:
-            self.shm_path = f"/dev/shm/pagedserve-kv-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            self.pool = map_shm(self.shm_path, shape, dtype, create=True)
+            self.shm_path = f"{SHM_DIR}/{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            nbytes = num_blocks * self.block_bytes
+            self._shm_fd = create_shm_file(self.shm_path, nbytes)
+            self.pool = map_shm(self.shm_path, shape, dtype)
         log.info(
             "allocating CPU swap pool: %d blocks = %.2f GiB%s",
             num_cpu_blocks,
@@ -161,6 +174,9 @@ class DevicePools:
     def close(self) -> None:
         if self.shm_path and os.path.exists(self.shm_path):
             os.unlink(self.shm_path)
+        if self._shm_fd >= 0:
+            os.close(self._shm_fd)  # drops the lock
+            self._shm_fd = -1
 
     # ------------------------------------------------------------------ swap
     def swap_out(self, pairs: list[tuple[int, int]]) -> float:
@@ -229,15 +245,74 @@ class DevicePools:
         )
 
 
-def map_shm(path: str, shape: list[int], dtype: torch.dtype, create: bool = False) -> torch.Tensor:
+def map_shm(path: str, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
     """A tensor over ``path`` in ``/dev/shm``: every process mapping it sees the same bytes."""
     numel = 1
     for dim in shape:
         numel *= dim
-    if create:
-        with open(path, "wb") as f:
-            f.truncate(numel * torch.empty((), dtype=dtype).element_size())
     return torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
+
+
+def create_shm_file(path: str, nbytes: int) -> int:
+    """Creates ``path`` (which must not exist; a symlink is refused), mode 0600, ``nbytes`` long,
+    and returns an open descriptor holding an exclusive ``flock`` on it: keep it open while the
+    file is in use, so that ``remove_stale_pool_files`` never takes it for a dead daemon's."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(path, flags, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.ftruncate(fd, nbytes)
+    except BaseException:
+        os.close(fd)
+        os.unlink(path)
+        raise
+    return fd
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (in this pid namespace; one of another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_pool_files(directory: str = SHM_DIR) -> tuple[int, int]:
+    """Removes the pool files a dead daemon left in ``directory``: regular files named
+    ``pagedserve-kv-<pid>-*``, owned by this user, whose ``pid`` is not alive and which no
+    process holds a ``flock`` on (a live daemon in another pid namespace sharing this
+    ``/dev/shm`` does). Returns ``(files, bytes of memory freed)``."""
+    if not os.path.isdir(directory):
+        return 0, 0
+    files = freed = 0
+    uid = os.getuid()
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            match = _POOL_FILE.fullmatch(entry.name)
+            if not match or pid_alive(int(match[1])):
+                continue
+            try:
+                st = entry.stat(follow_symlinks=False)
+                if not stat.S_ISREG(st.st_mode) or st.st_uid != uid:
+                    continue
+                fd = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except OSError:  # gone meanwhile, or not ours to open
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if os.fstat(fd).st_ino != st.st_ino:
+                    continue  # replaced between stat and open
+                os.unlink(entry.path)
+            except OSError:  # BlockingIOError: locked, in use
+                continue
+            finally:
+                os.close(fd)
+            files += 1
+            freed += st.st_blocks * 512
+    return files, freed
 
 
 def map_pool(info: PoolInfo) -> torch.Tensor:

@@ -55,11 +55,6 @@ class KVCacheManager:
             raise KVError("duplicate_request", f"request {req_id!r} already exists")
         if not token_ids:
             raise KVError("bad_argument", "a request needs at least one token")
-        if cdiv(len(token_ids), self.block_size) > self.pool.num_blocks:
-            raise KVError(
-                "bad_argument",
-                f"{len(token_ids)} tokens need more blocks than the pool's {self.pool.num_blocks}",
-            )
         request = Request(req_id, worker, salt, list(token_ids))
         self._extend_hashes(request)
         placement = self._place(request, record=True)
@@ -102,8 +97,23 @@ class KVCacheManager:
         )
         return placement, TransferPlan()
 
+    @property
+    def admission_limit_blocks(self) -> int:
+        """The most blocks one request may need and still be placed: the pool less the
+        watermark (when every other block is free or cached, it fits)."""
+        return self.pool.num_blocks - self.watermark_blocks
+
     def _place(self, request: Request, record: bool) -> Placement:
-        """Prefix lookup + allocation of the rest; sets the request RUNNING. All or nothing."""
+        """Prefix lookup + allocation of the rest; sets the request RUNNING. All or nothing.
+        Raises ``too_large`` if the request can never be placed, ``no_space`` if not now."""
+        total = cdiv(len(request.token_ids), self.block_size)
+        if total > self.admission_limit_blocks:
+            raise KVError(
+                "too_large",
+                f"{len(request.token_ids)} tokens need {total} KV blocks; one request may hold "
+                f"at most {self.admission_limit_blocks} ({self.pool.num_blocks} in the pool, "
+                f"{self.watermark_blocks} kept free)",
+            )
         hit = self.index.lookup(request.keys, request.contents, len(request.token_ids), record)
         needed = cdiv(len(request.token_ids), self.block_size) - len(hit.blocks)
         evictable_hits = sum(1 for b in hit.blocks if self.pool.ref_counts[b] == 0)

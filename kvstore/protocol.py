@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: Call.token
 
 
 class _Msg(msgspec.Struct, array_like=True, forbid_unknown_fields=True, tag=True):
@@ -110,9 +110,14 @@ class CostReport(_Item):
 
 
 class Step(_Msg):
-    """One engine step's KV work, applied in this order: costs, frees, preempts, forks, appends,
-    tokens, resumes, admits: running requests grow before preempted ones resume, and those come
-    back before new ones are admitted. Each item succeeds or fails alone (``StepReply.errors``)."""
+    """One engine step's KV work, applied in this order: costs, forks, frees, preempts, appends,
+    tokens, resumes, admits. Forks allocate nothing, so they come first: a sequence may be forked
+    and freed in the same step (a branch that ends on its first token, or a parent that ends while
+    its children go on). Running requests grow before preempted ones resume, and those come back
+    before new ones are admitted. Each item succeeds or fails alone (``StepReply.errors``), except
+    that placements (resumes, then admits) are first come, first served: once one is refused for
+    lack of space, the later ones are refused too (``no_space``), so a large request at the head is
+    never starved by smaller ones behind it."""
 
     worker_id: str
     frees: list[str] = []
@@ -141,14 +146,20 @@ Request = Register | Heartbeat | Unregister | Step | GetStats | ResetCache | Pin
 
 
 class Call(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """The envelope of every call. ``token``: the shared secret of a daemon started with
+    ``$PAGEDSERVE_KVSTORE_TOKEN`` set (``kvstore.security.TOKEN_ENV``); such a daemon answers
+    ``Error("unauthorized")`` to a call whose token differs, and changes nothing."""
+
     version: int
     call_id: int
     body: Request
+    token: str = ""
 
 
 # ---------------------------------------------------------------- replies (daemon -> client)
 class Error(_Msg):
-    """``code``: bad_message | version | unknown_worker | internal."""
+    """``code``: bad_message | version | unauthorized (the call's token is missing or wrong) |
+    unknown_worker | internal."""
 
     code: str
     message: str
@@ -159,10 +170,17 @@ class Ack(_Msg):
 
 
 class Registered(_Msg):
+    """``admission_limit_blocks``: the most blocks a request may need and still be placed
+    (admitted or resumed): the pool less the admission watermark. A request that needs more can
+    never run and is refused with ``too_large``. Registering again under the same ``worker_id``
+    (a restarted worker, or one that lost track of the daemon) orphans every request the daemon
+    still holds for that id, so they can be adopted."""
+
     pool: PoolInfo
     num_gpu_blocks: int
     num_cpu_blocks: int
     lease_timeout_s: float
+    admission_limit_blocks: int
 
 
 class Placed(_Item):
@@ -184,8 +202,8 @@ class Grown(_Item):
 
 
 class ItemError(_Item):
-    """``code``: no_space | unknown_request | duplicate_request | not_owner | wrong_state |
-    conflict | bad_argument."""
+    """``code``: no_space | too_large (more blocks than the pool can ever give one request) |
+    unknown_request | duplicate_request | not_owner | wrong_state | conflict | bad_argument."""
 
     req_id: str
     op: str
@@ -264,6 +282,7 @@ class WorkerRow(_Item):
 class Stats(_Msg):
     block_size: int
     block_bytes: int
+    admission_limit_blocks: int  # as in Registered
     gpu: TierStats
     cpu: TierStats
     prefix_lookups: int

@@ -75,21 +75,26 @@ class KVService:
         return p.Error("bad_message", f"unhandled message {type(body).__name__}")
 
     def register(self, body: p.Register, now: float) -> p.Registered:
+        """A worker (re)joins. What the daemon still holds under its id belongs to a previous
+        life of it (a restarted process, or one that lost track of us): orphaned, adoptable."""
         self.leases.register(Worker(body.worker_id, now, now, body.device, body.pid))
         if body.prefill_profile:
             self.manager.prefill_profiles[body.worker_id] = list(body.prefill_profile)
+        orphaned = self.manager.orphan_worker(body.worker_id, now)
         log.info(
-            "worker %s registered (pid %d, %s, %d prefill points)",
+            "worker %s registered (pid %d, %s, %d prefill points)%s",
             body.worker_id,
             body.pid,
             body.device,
             len(body.prefill_profile),
+            f"; {len(orphaned)} requests of its previous registration orphaned" if orphaned else "",
         )
         return p.Registered(
             self._pool_info,
             self.manager.pool.num_blocks,
             self.manager.swap.num_blocks,
             self.leases.timeout_s,
+            self.manager.admission_limit_blocks,
         )
 
     def tick(self) -> None:
@@ -112,21 +117,29 @@ class KVService:
         m, worker, reply = self.manager, body.worker_id, p.StepReply()
         for cost in body.costs:
             self._each(reply, "cost", cost.req_id, m.record_recompute, cost.req_id, cost.seconds)
+        for fork in body.forks:  # before frees: a child may end, or its parent, in this step
+            for child in fork.child_ids:
+                self._each(reply, "fork", child, self._fork, fork.parent_id, child, worker, reply)
         for req_id in body.frees:
             self._each(reply, "free", req_id, m.free, req_id, worker)
         for req_id in body.preempts:
             self._each(reply, "preempt", req_id, self._preempt, req_id, worker, now, reply)
-        for fork in body.forks:
-            for child in fork.child_ids:
-                self._each(reply, "fork", child, self._fork, fork.parent_id, child, worker, reply)
         for item in body.appends:
             self._append(reply, worker, item.req_id, item.token_ids, item.num_computed)
         if body.tokens is not None:
             self._append_tokens(reply, worker, body.tokens)
-        for req_id in body.resumes:
-            self._each(reply, "resume", req_id, self._resume, req_id, worker, reply)
-        for item in body.admits:
-            self._each(reply, "admit", item.req_id, self._admit, item, worker, reply)
+        placements = [(r, "resume", self._resume, r) for r in body.resumes] + [
+            (item.req_id, "admit", self._admit, item) for item in body.admits
+        ]
+        blocked = False  # first come, first served: nothing is placed past a refusal for space
+        for req_id, op, place, arg in placements:
+            if blocked:
+                message = "an earlier request of this step is waiting for space"
+                reply.errors.append(p.ItemError(req_id, op, "no_space", message))
+                continue
+            errors = len(reply.errors)
+            self._each(reply, op, req_id, place, arg, worker, reply)
+            blocked = len(reply.errors) > errors and reply.errors[-1].code == "no_space"
         return reply
 
     def _append(

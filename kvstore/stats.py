@@ -20,6 +20,7 @@ def build_stats(service: KVService, top: int, now: float) -> p.Stats:
     return p.Stats(
         block_size=m.block_size,
         block_bytes=service.mover.block_bytes,
+        admission_limit_blocks=m.admission_limit_blocks,
         gpu=p.TierStats(pool.num_blocks, pool.num_free, pool.num_used, pool.num_cached_free),
         cpu=p.TierStats(swap.num_blocks, swap.num_free, swap.num_used, 0),
         prefix_lookups=index.lookups,

@@ -3,31 +3,43 @@
 - ``pagedserve kvstore``: the KV-cache daemon.
 - ``pagedserve compute``: a compute worker.
 - ``pagedserve gateway``: the HTTP gateway (OpenAI-compatible API, /health, /metrics, /admin/).
-- ``pagedserve up``: the whole stack (an embedded Redis unless REDIS_URL is set, the kvstore,
-  the workers, the gateway) until Ctrl-C.
+- ``pagedserve up``: the whole stack (an embedded, durable Redis unless REDIS_URL is set, the
+  kvstore, the workers, the gateway), supervised (``pagedserve.supervisor``) until Ctrl-C.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from compute.scheduler import SchedulerConfig
 from compute.worker import ComputeConfig
 from gateway.config import ADMIN_TOKEN_ENV, GatewayConfig
 from kvstore.daemon import DEFAULT_ENDPOINT, KVStoreConfig
 from pagedserve.config import add_arguments, from_namespace
+from pagedserve.supervisor import (
+    ChildSpec,
+    Interrupted,
+    RestartPolicy,
+    StartupError,
+    Supervisor,
+    child_popen_options,
+)
+
+if TYPE_CHECKING:
+    from pagedserve.redis_server import RedisServer
 
 log = logging.getLogger("pagedserve")
 
@@ -46,7 +58,14 @@ class UpConfig:
             "help": "'cuda', 'cpu' or 'auto': cuda when there is a GPU (kvstore and workers)"
         },
     )
-    workers: int = field(default=1, metadata={"help": "compute workers to start"})
+    workers: int = field(
+        default=1,
+        metadata={
+            "help": "compute workers to start; worker i runs as --worker-id {hostname}-{port}-w{i} "
+            "(port: the gateway's), so a restarted worker comes back under its id and takes "
+            "its pending requests back"
+        },
+    )
     host: str = field(default="127.0.0.1", metadata={"help": "the gateway's listen address"})
     port: int = field(default=8000, metadata={"help": "the gateway's TCP port"})
     endpoint: str = field(default=DEFAULT_ENDPOINT, metadata={"help": "kvstore endpoint"})
@@ -66,6 +85,41 @@ class UpConfig:
     )
     startup_timeout_s: float = field(
         default=300.0, metadata={"help": "how long to wait for every process to become healthy"}
+    )
+    restart_backoff_s: float = field(
+        default=1.0,
+        metadata={
+            "help": "once the stack is up, a child that exits (a worker, the kvstore, the "
+            "gateway, the embedded redis-server) is restarted after this long, doubled for each "
+            "further failure in a row, at most 30 s"
+        },
+    )
+    healthy_after_s: float = field(
+        default=60.0,
+        metadata={"help": "a child up this long is healthy again: failure count and backoff reset"},
+    )
+    max_restarts: int = field(
+        default=5,
+        metadata={
+            "help": "restart a child at most this many times in a row (each failure within "
+            "--healthy-after-s of its start counts); if it fails again, stop everything and "
+            "exit with status 1 (0: never restart)"
+        },
+    )
+    redis_dir: str = field(
+        default=".pagedserve/redis",
+        metadata={
+            "help": "the embedded Redis's directory (relative to the current one): its "
+            "append-only file (fsync every second), port and log; created mode 0700, never "
+            "deleted, one `up` at a time (ignored with REDIS_URL)"
+        },
+    )
+    redis_port: int = field(
+        default=0,
+        metadata={
+            "help": "the embedded Redis's port on 127.0.0.1; 0: the port of the last run "
+            "(recorded in --redis-dir) if it is free, else a free one"
+        },
     )
 
 
@@ -103,7 +157,13 @@ def main(argv: list[str] | None = None) -> None:
         help="run the whole stack until Ctrl-C",
         description="Starts Redis (embedded unless REDIS_URL is set), the kvstore, the compute "
         f"workers and the gateway; prints the URL and the admin token (${ADMIN_TOKEN_ENV} if "
-        "set, else a generated one).",
+        "set, else a generated one). Then supervises them: a child that exits is restarted "
+        "with exponential backoff (a worker under the same --worker-id, so it takes its "
+        "requests back; redis-server on the same port and directory, so it reloads its "
+        "append-only file); a child that keeps failing stops the stack with exit status 1. "
+        "An external Redis (REDIS_URL) is pinged and its outages logged. Ctrl-C or SIGTERM "
+        "stops the gateway, the workers (they drain; Ctrl-C again: at once), the kvstore, "
+        "Redis, and exits 0.",
     )
     add_arguments(up, UpConfig)
     args = parser.parse_args(argv)
@@ -156,77 +216,143 @@ def wait_for_kvstore(endpoint: str, process: subprocess.Popen[bytes], timeout_s:
         client.close()
 
 
-def _raise_keyboard_interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
-
-
 def run_up(config: UpConfig) -> None:
     """Starts Redis, the kvstore, the workers and the gateway, waits until the workers have
-    registered and the gateway is healthy, prints where. Ctrl-C stops them all: the gateway
-    first (requests in flight finish), then the workers (they drain their requests), the
-    kvstore, Redis; a second Ctrl-C makes the workers stop at once."""
-    import shlex
-
-    from pagedserve.redis_server import EmbeddedRedis
+    registered and the gateway is healthy, prints where, then supervises them (see
+    ``pagedserve.supervisor``; ``UpConfig`` has the restart policy). Ctrl-C or SIGTERM stops
+    them all: the gateway first (requests in flight finish), then the workers (they drain
+    their requests; Ctrl-C again: at once), the kvstore, Redis; exit status 0. Exit status 1,
+    after one line saying why: the gateway's port is taken, a child failed during startup, or
+    one failed more than ``max_restarts`` times in a row."""
+    from pagedserve.redis_server import RedisServer, RedisWatch
 
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
-    shared = ["--model", config.model, "--device", config.device]
-    admin_token = os.environ.get(ADMIN_TOKEN_ENV) or secrets.token_urlsafe(24)
-    redis = EmbeddedRedis.start()
-    log.info("redis at %s", redis.url)
-    kvstore: list[subprocess.Popen[bytes]] = []
-    workers: list[subprocess.Popen[bytes]] = []
-    gateway: list[subprocess.Popen[bytes]] = []
     try:
-        # Children get their own session: a terminal Ctrl-C reaches only us, and we stop them
-        # in order (a worker drains against a kvstore that is still up).
-        kv_flags = [*shared, *shlex.split(config.kvstore_args)]
-        kvstore.append(
-            spawn_kvstore(
-                config.endpoint, kv_flags, config.startup_timeout_s, start_new_session=True
-            )
+        policy = RestartPolicy(
+            backoff_s=config.restart_backoff_s,
+            healthy_after_s=config.healthy_after_s,
+            max_restarts=config.max_restarts,
         )
-        worker_flags = [
-            *shared,
-            "--kvstore",
-            config.endpoint,
-            "--redis-url",
-            redis.url,
-            *shlex.split(config.compute_args),
-        ]
-        for _ in range(config.workers):
-            workers.append(spawn_process("compute", worker_flags, start_new_session=True))
-        gateway_flags = [
-            "--model",
-            config.model,
-            "--host",
-            config.host,
-            "--port",
-            str(config.port),
-            "--redis-url",
-            redis.url,
-            "--kvstore",
-            config.endpoint,
-            *shlex.split(config.gateway_args),
-        ]
-        env = {**os.environ, ADMIN_TOKEN_ENV: admin_token}
-        gateway.append(spawn_process("gateway", gateway_flags, start_new_session=True, env=env))
-        processes = kvstore + workers + gateway
-        wait_for_workers(config.endpoint, config.workers, processes, config.startup_timeout_s)
-        url = f"http://{_url_host(config.host)}:{config.port}"
-        wait_for_health(url, processes, config.startup_timeout_s)
-        print(_banner(config, url, redis.url, admin_token), flush=True)
-        while all(process.poll() is None for process in processes):
-            time.sleep(0.5)
-        log.error("a process exited: %s", [p.returncode for p in processes])
-    except KeyboardInterrupt:
-        log.info("stopping (Ctrl-C again: workers stop without draining)")
+    except ValueError as err:
+        raise SystemExit(f"pagedserve up: {err}") from None
+    _check_port_free(config.host, config.port)
+    external = os.environ.get("REDIS_URL")
+    server: RedisServer | None = None
+    if not external:
+        try:
+            server = RedisServer.durable_in(config.redis_dir, config.redis_port)
+        except (RuntimeError, OSError) as err:
+            raise SystemExit(f"pagedserve up: redis: {err}") from None
+    redis_url = server.url if server is not None else str(external)
+    supervisor = Supervisor(policy, on_tick=[RedisWatch(external).check] if external else [])
+    supervisor.install_signal_handlers()
+    failure, status = "", 0
+    try:
+        try:
+            _start_stack(supervisor, config, server, redis_url)
+        except Interrupted:
+            log.info("stopping during startup")
+        except StartupError as err:
+            failure = str(err)
+        except Exception as err:  # a bug or an unexpected environment: one line, still
+            log.debug("startup failed", exc_info=True)
+            failure = f"startup failed: {type(err).__name__}: {err}"
+        else:
+            status = supervisor.run()
     finally:
-        _stop_group(gateway)
-        _stop_group(workers)
-        _stop_group(kvstore)
-        redis.stop()
+        supervisor.stop()
+        if server is not None:
+            server.close()
+    if failure:
+        raise SystemExit(f"pagedserve up: {failure}")
+    raise SystemExit(status)
+
+
+def _start_stack(
+    supervisor: Supervisor, config: UpConfig, server: RedisServer | None, redis_url: str
+) -> None:
+    """Starts every child in order, each once the one it needs is ready; prints the banner."""
+    import shlex
+    from functools import partial
+
+    from pagedserve.probe import probe_gateway, probe_kvstore, probe_worker
+
+    timeout_s, children = config.startup_timeout_s, child_popen_options()
+    if server is not None:
+        redis_spec = ChildSpec(
+            "redis-server", server.spawn, stop_order=3, stop_signal=signal.SIGTERM
+        )
+        supervisor.start(redis_spec)
+        supervisor.wait_until(server.ping, timeout_s, "redis-server")
+        log.info("redis at %s, append-only file in %s", redis_url, server.directory)
+    shared = ["--model", config.model, "--device", config.device]
+    kv_flags = ["--endpoint", config.endpoint, *shared, *shlex.split(config.kvstore_args)]
+    supervisor.start(
+        ChildSpec("kvstore", partial(spawn_process, "kvstore", kv_flags, **children), stop_order=2)
+    )
+    kvstore_ready = _ready(partial(probe_kvstore, config.endpoint, 1.0))
+    supervisor.wait_until(kvstore_ready, timeout_s, "the kvstore")
+    worker_flags = [*shared, "--kvstore", config.endpoint, "--redis-url", redis_url]
+    worker_flags += shlex.split(config.compute_args)
+    ids = worker_ids(config)
+    for worker_id in ids:
+        flags = [*worker_flags, "--worker-id", worker_id]
+        start = partial(spawn_process, "compute", flags, **children)
+        supervisor.start(ChildSpec(f"worker {worker_id}", start, stop_order=1))
+    log.info("workers %s: a restarted one keeps its id, takes its requests back", ", ".join(ids))
+    gateway_flags = ["--model", config.model, "--host", config.host, "--port", str(config.port)]
+    gateway_flags += ["--redis-url", redis_url, "--kvstore", config.endpoint]
+    gateway_flags += shlex.split(config.gateway_args)
+    admin_token = os.environ.get(ADMIN_TOKEN_ENV) or secrets.token_urlsafe(24)
+    env = {**os.environ, ADMIN_TOKEN_ENV: admin_token}
+    gateway = partial(spawn_process, "gateway", gateway_flags, env=env, **children)
+    supervisor.start(ChildSpec("gateway", gateway, stop_order=0))
+    registered = _ready(lambda: [probe_worker(config.endpoint, i, 60.0, 5.0) for i in ids])
+    supervisor.wait_until(registered, timeout_s, "the workers")
+    url = f"http://{_url_host(config.host)}:{config.port}"
+    healthy = _ready(partial(probe_gateway, f"{url}/health", 2.0))
+    supervisor.wait_until(healthy, timeout_s, f"the gateway at {url}")
+    print(_banner(config, url, redis_url, admin_token, ids), flush=True)
+
+
+def worker_ids(config: UpConfig) -> list[str]:
+    """Stable across restarts of a worker and of `up`: ``{hostname}-{gateway port}-w{i}``."""
+    host = socket.gethostname()
+    return [f"{host}-{config.port}-w{i}" for i in range(config.workers)]
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Exits with one line if the gateway could not listen on ``host:port`` (before anything
+    is started)."""
+    try:
+        addresses = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as err:
+        raise SystemExit(f"pagedserve up: --host {host}: {err}") from None
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as aiohttp does
+            try:
+                sock.bind(address)
+            except OSError as err:
+                if err.errno == errno.EADDRINUSE:
+                    raise SystemExit(
+                        f"pagedserve up: port {port} on {host} is in use; pass --port"
+                    ) from None
+                raise SystemExit(f"pagedserve up: cannot listen on {host}:{port}: {err}") from None
+
+
+def _ready(check: Callable[[], object]) -> Callable[[], str | None]:
+    """A ``pagedserve.probe`` check as a ``Supervisor.wait_until`` probe."""
+    from pagedserve.probe import ProbeFailed
+
+    def probe() -> str | None:
+        try:
+            check()
+        except ProbeFailed as err:
+            return str(err)
+        return None
+
+    return probe
 
 
 def _url_host(host: str) -> str:
@@ -235,53 +361,22 @@ def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def _banner(config: UpConfig, url: str, redis_url: str, admin_token: str) -> str:
+def _banner(config: UpConfig, url: str, redis_url: str, token: str, ids: list[str]) -> str:
+    from pagedserve.redis_server import redact
+
     model = GatewayConfig(model=config.model).model_name()
     body = f'{{"model": "{model}", "prompt": "Hello", "max_tokens": 16, "stream": true}}'
+    redis_dir = Path(config.redis_dir).absolute()
+    redis_note = "external, not restarted" if os.environ.get("REDIS_URL") else f"in {redis_dir}"
     return (
-        f"pagedserve is up at {url} (redis {redis_url}, kvstore {config.endpoint}, "
+        f"pagedserve is up at {url} (redis {redact(redis_url)}, kvstore {config.endpoint}, "
         f"{config.workers} worker(s)). Ctrl-C stops it.\n"
-        f"admin token ({ADMIN_TOKEN_ENV}): {admin_token}\n"
-        f"try: curl -N {url}/v1/completions -H 'Content-Type: application/json' -d '{body}'"
+        f"admin token ({ADMIN_TOKEN_ENV}): {token}\n"
+        f"try: curl -N {url}/v1/completions -H 'Content-Type: application/json' -d '{body}'\n"
+        f"supervised: a child that exits is restarted (backoff {config.restart_backoff_s:g} s "
+        f"doubling to 30 s, at most {config.max_restarts} times in a row); workers keep their "
+        f"ids ({', '.join(ids)}); redis: {redis_note}"
     )
-
-
-def wait_for_health(url: str, processes: list[subprocess.Popen[bytes]], timeout_s: float) -> None:
-    """Until ``GET {url}/health`` answers 200."""
-    deadline = time.monotonic() + timeout_s
-    last = "no answer"
-    while time.monotonic() < deadline:
-        if any(process.poll() is not None for process in processes):
-            raise SystemExit("a process exited during startup")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
-                if response.status == 200:
-                    return
-        except urllib.error.HTTPError as err:
-            last = err.read().decode(errors="replace")
-        except OSError as err:
-            last = str(err)
-        time.sleep(0.2)
-    raise SystemExit(f"the gateway at {url} is not healthy after {timeout_s} s: {last}")
-
-
-def _stop_group(processes: list[subprocess.Popen[bytes]], timeout_s: float = 120.0) -> None:
-    """SIGINT to each; wait. Another Ctrl-C meanwhile sends each a second SIGINT (stop now);
-    past ``timeout_s`` they are killed."""
-    for process in processes:
-        if process.poll() is None:
-            process.send_signal(signal.SIGINT)
-    deadline = time.monotonic() + timeout_s
-    for process in processes:
-        while process.poll() is None:
-            try:
-                process.wait(max(deadline - time.monotonic(), 0.1))
-            except KeyboardInterrupt:
-                for other in processes:
-                    if other.poll() is None:
-                        other.send_signal(signal.SIGINT)
-            except subprocess.TimeoutExpired:
-                process.kill()
 
 
 def spawn_process(command: str, flags: list[str], **popen: Any) -> subprocess.Popen[bytes]:

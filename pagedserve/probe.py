@@ -11,6 +11,10 @@ never hangs past its ``--timeout-s``). Torch-free: it imports only the kvstore c
 ``--max-idle-s`` (an idle worker still steps every 100 ms). Without ``--worker-id`` it looks for
 the default id of a worker started on this host, ``{hostname}-{pid}``: in a compute container,
 the worker of that container.
+
+A kvstore started with ``$PAGEDSERVE_KVSTORE_TOKEN`` set answers only calls that carry it: the
+``kvstore`` and ``worker`` probes send the one in their environment (never a flag, so it stays
+off command lines).
 """
 
 from __future__ import annotations
@@ -26,24 +30,32 @@ import zmq
 
 from kvstore import protocol as p
 from kvstore.client import KVClient, KVStoreError, KVStoreTimeout
+from kvstore.security import TOKEN_ENV
 
 
 class ProbeFailed(Exception):
     """The process is not healthy; the message says why."""
 
 
-def probe_kvstore(endpoint: str, timeout_s: float) -> str:
-    """The kvstore at ``endpoint`` answers a ``Ping`` within ``timeout_s``."""
-    reply = _kvstore_call(endpoint, p.Ping(), timeout_s)
+def probe_kvstore(endpoint: str, timeout_s: float, token: str | None = None) -> str:
+    """The kvstore at ``endpoint`` answers a ``Ping`` within ``timeout_s`` (``token``: None
+    reads ``$PAGEDSERVE_KVSTORE_TOKEN``)."""
+    reply = _kvstore_call(endpoint, p.Ping(), timeout_s, token)
     if not isinstance(reply, p.Pong):
         raise ProbeFailed(f"kvstore {endpoint}: unexpected reply {type(reply).__name__}")
     return f"kvstore {endpoint}: up {reply.uptime_s:.1f} s"
 
 
-def probe_worker(endpoint: str, worker_id: str | None, max_idle_s: float, timeout_s: float) -> str:
+def probe_worker(
+    endpoint: str,
+    worker_id: str | None,
+    max_idle_s: float,
+    timeout_s: float,
+    token: str | None = None,
+) -> str:
     """The kvstore lists a worker (``worker_id``, else one named ``{hostname}-...``) that sent
     a message within ``max_idle_s``."""
-    stats = _kvstore_call(endpoint, p.GetStats(top_prefixes=0), timeout_s)
+    stats = _kvstore_call(endpoint, p.GetStats(top_prefixes=0), timeout_s, token)
     if not isinstance(stats, p.Stats):
         raise ProbeFailed(f"kvstore {endpoint}: unexpected reply {type(stats).__name__}")
     prefix = f"{socket.gethostname()}-"
@@ -83,13 +95,19 @@ def probe_gateway(url: str, timeout_s: float) -> str:
     return f"gateway {url}: HTTP 200"
 
 
-def _kvstore_call(endpoint: str, body: p.Request, timeout_s: float) -> p.ReplyBody:
+def _kvstore_call(
+    endpoint: str, body: p.Request, timeout_s: float, token: str | None
+) -> p.ReplyBody:
     try:
-        with KVClient(endpoint, timeout_s=timeout_s) as client:
+        with KVClient(endpoint, timeout_s=timeout_s, token=token) as client:
             return client.call(body)
     except KVStoreTimeout:
         raise ProbeFailed(f"kvstore {endpoint}: no reply in {timeout_s} s") from None
     except KVStoreError as error:
+        if error.code == "unauthorized":
+            raise ProbeFailed(
+                f"kvstore {endpoint}: unauthorized: set {TOKEN_ENV} to the kvstore's token"
+            ) from None
         raise ProbeFailed(f"kvstore {endpoint}: {error}") from None
     except zmq.ZMQError as error:  # a malformed endpoint
         raise ProbeFailed(f"kvstore {endpoint}: {error}") from None
@@ -102,9 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="target", required=True)
-    kv = sub.add_parser("kvstore", help="the kvstore answers a Ping")
+    kv = sub.add_parser("kvstore", help=f"the kvstore answers a Ping (sends ${TOKEN_ENV} if set)")
     kv.add_argument("endpoint", help="the kvstore's endpoint, e.g. tcp://kvstore:5555")
-    worker = sub.add_parser("worker", help="a compute worker is registered and live")
+    worker = sub.add_parser(
+        "worker", help=f"a compute worker is registered and live (sends ${TOKEN_ENV} if set)"
+    )
     worker.add_argument("endpoint", help="the kvstore's endpoint, e.g. tcp://kvstore:5555")
     worker.add_argument(
         "--worker-id",

@@ -40,11 +40,12 @@ def redis_client(redis_url: str) -> Iterator[object]:
     client.close()
 
 
-def start_kvstore(*flags: str) -> tuple[subprocess.Popen[bytes], str]:
-    """Starts `pagedserve kvstore` on CPU on a fresh ipc endpoint; returns once it answers."""
+def start_kvstore(*flags: str, endpoint: str = "") -> tuple[subprocess.Popen[bytes], str]:
+    """Starts `pagedserve kvstore` on CPU on ``endpoint`` (default: a fresh ipc endpoint);
+    returns once it answers."""
     from pagedserve.cli import spawn_kvstore
 
-    endpoint = f"ipc:///tmp/pagedserve-test-{uuid.uuid4().hex[:8]}.sock"
+    endpoint = endpoint or f"ipc:///tmp/pagedserve-test-{uuid.uuid4().hex[:8]}.sock"
     process = spawn_kvstore(
         endpoint, ["--device", "cpu", *flags], 60, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     )

@@ -203,11 +203,26 @@ def test_kvstore_command(services: dict[str, Any], parsed: dict[str, argparse.Na
 
     ns = service_command(parsed, "kvstore")
     assert ns.command == "kvstore" and ns.device == "cuda"
-    assert host_port(ns.endpoint) == ("0.0.0.0", 5555)
     parse_memory(ns.kv_memory)  # raises on a malformed size
     parse_memory(ns.swap_memory)
     from_namespace(KVStoreConfig, ns)
-    assert "ports" not in services["kvstore"], "the kvstore RPC has no auth: never publish it"
+    assert "ports" not in services["kvstore"], "the kvstore's control plane is never published"
+
+
+def test_the_kvstore_socket_is_on_a_volume_only_pagedserve_shares(
+    compose: dict[str, Any], services: dict[str, Any], parsed: dict[str, argparse.Namespace]
+) -> None:
+    """The control plane is a unix socket (no TCP: nothing outside the containers reaches it),
+    on a named volume mounted by the kvstore, the workers and the gateway alone."""
+    endpoint = service_command(parsed, "kvstore").endpoint
+    assert endpoint.startswith("ipc:///"), endpoint
+    directory = endpoint.removeprefix("ipc://").rsplit("/", 1)[0]
+    for name in PAGEDSERVE_SERVICES:
+        mounts = [v.split(":") for v in services[name]["volumes"]]
+        assert any(m[1] == directory and m[0] in compose["volumes"] for m in mounts), name
+    assert "volumes" not in services["redis"] or all(
+        directory not in v for v in services["redis"]["volumes"]
+    )
 
 
 def test_compute_command(parsed: dict[str, argparse.Namespace]) -> None:
@@ -219,7 +234,7 @@ def test_compute_command(parsed: dict[str, argparse.Namespace]) -> None:
     assert ns.command == "compute" and ns.device == "cuda"
     assert ns.dtype == kvstore.dtype, "the workers' dtype must be the pool's"
     assert ns.worker_id == "", "a fixed --worker-id breaks --scale and the worker probe"
-    assert host_port(ns.kvstore) == ("kvstore", host_port(kvstore.endpoint)[1])
+    assert ns.kvstore == kvstore.endpoint
     assert host_port(ns.redis_url) == ("redis", 6379)
     from_namespace(ComputeConfig, ns)
 
@@ -230,10 +245,14 @@ def test_gateway_command(services: dict[str, Any], parsed: dict[str, argparse.Na
     assert ns.command == "gateway"
     assert ns.host == "0.0.0.0"
     assert host_port(ns.redis_url) == ("redis", 6379)
-    assert host_port(ns.kvstore) == ("kvstore", host_port(kvstore.endpoint)[1])
+    assert ns.kvstore == kvstore.endpoint
     assert ns.served_model_name
     published = [str(p).rsplit(":", 1) for p in services["gateway"]["ports"]]
-    assert [(host, int(container)) for host, container in published] == [("8000", int(ns.port))]
+    assert [(host, int(container)) for host, container in published] == [
+        ("127.0.0.1:8000", int(ns.port))
+    ]
+    grace = float(str(services["gateway"]["stop_grace_period"]).removesuffix("s"))
+    assert grace >= ns.shutdown_timeout_s + 10, "docker must not SIGKILL the gateway's drain"
 
 
 def test_gateway_port_and_admin_token(services: dict[str, Any]) -> None:
@@ -242,9 +261,12 @@ def test_gateway_port_and_admin_token(services: dict[str, Any]) -> None:
     command = [str(arg) for arg in gateway["command"]]
     port = command[command.index("--port") + 1]
     assert port == "8000"
-    assert [str(p) for p in gateway["ports"]] == [f"8000:{port}"]
+    # Published on the host's loopback unless PAGEDSERVE_BIND says otherwise.
+    assert [str(p) for p in gateway["ports"]] == [f"127.0.0.1:8000:{port}"]
+    exposed = load_compose({**ENV, "PAGEDSERVE_BIND": "0.0.0.0"})["services"]["gateway"]
+    assert [str(p) for p in exposed["ports"]] == [f"0.0.0.0:8000:{port}"]
     # Passed through from the shell (a null value), never written into the file.
-    assert gateway["environment"] == {"PAGEDSERVE_ADMIN_TOKEN": None}
+    assert gateway["environment"] == {"PAGEDSERVE_ADMIN_TOKEN": None, "PAGEDSERVE_API_KEY": None}
     assert all("ports" not in services[name] for name in services if name != "gateway")
 
 
@@ -254,7 +276,6 @@ def test_healthchecks_call_the_probe(
     parser = probe.build_parser()
     kv = parse(parser, health_argv(services["kvstore"]), "kvstore healthcheck")
     assert kv.target == "kvstore"
-    assert host_port(kv.endpoint) == ("127.0.0.1", 5555)
 
     worker = parse(parser, health_argv(services["compute"]), "compute healthcheck")
     assert worker.target == "worker" and worker.worker_id is None  # this container's worker
@@ -266,7 +287,7 @@ def test_healthchecks_call_the_probe(
     assert host_port(gateway.url) == ("127.0.0.1", 8000)
     assert urlsplit(gateway.url).path == "/health"
     if "kvstore" in parsed:
-        assert host_port(kv.endpoint)[1] == host_port(parsed["kvstore"].endpoint)[1]
+        assert kv.endpoint == parsed["kvstore"].endpoint
     for name in PAGEDSERVE_SERVICES:
         check = services[name]["healthcheck"]
         timeout_s = float(str(check["timeout"]).removesuffix("s"))

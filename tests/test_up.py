@@ -12,6 +12,7 @@ import sys
 import time
 import urllib.request
 import uuid
+from pathlib import Path
 
 import redis
 import redis.asyncio
@@ -64,13 +65,8 @@ def stream_one_completion(example: str) -> str:
     return "".join(text)
 
 
-def test_up_serves_and_stops_on_ctrl_c() -> None:
-    endpoint = f"ipc:///tmp/pagedserve-up-{uuid.uuid4().hex[:8]}.sock"
-    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}  # the embedded Redis
-    env.pop("PAGEDSERVE_ADMIN_TOKEN", None)  # up generates one
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    port = free_port()
-    cmd = [
+def up_command(port: int, endpoint: str, redis_dir: Path, *flags: str) -> list[str]:
+    return [
         sys.executable,
         "-m",
         "pagedserve.cli",
@@ -79,13 +75,32 @@ def test_up_serves_and_stops_on_ctrl_c() -> None:
         endpoint,
         "--device",
         "cpu",
+        "--model",
+        "tiny",
         "--port",
         str(port),
+        "--redis-dir",
+        str(redis_dir),
         "--kvstore-args",
         "--kv-memory 0.05GiB --swap-memory 0.01",
+        *flags,
     ]
+
+
+def up_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "PAGEDSERVE_ADMIN_TOKEN")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    return env
+
+
+def test_up_serves_and_stops_on_ctrl_c(tmp_path: Path) -> None:
+    endpoint = f"ipc:///tmp/pagedserve-up-{uuid.uuid4().hex[:8]}.sock"
+    port = free_port()
+    cmd = up_command(port, endpoint, tmp_path / "redis")
     signalled = False
-    up = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    up = subprocess.Popen(
+        cmd, env=up_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         deadline = time.monotonic() + 120
         lines = []
@@ -130,6 +145,7 @@ def test_up_serves_and_stops_on_ctrl_c() -> None:
             up.send_signal(signal.SIGINT)
         up.wait(120)
     log = up.stdout.read()  # type: ignore[union-attr]
+    assert up.returncode == 0, log
     assert "draining 1 requests" in log, log
     worker_stopped = re.search(r"worker \S+ stopped", log)
     assert worker_stopped and "kvstore stopped" in log[worker_stopped.end() :], log

@@ -7,6 +7,8 @@ The stack uses its own Redis database (not 0) so the tests that flush database 0
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import json
 import os
 import subprocess
@@ -30,11 +32,49 @@ MAX_BODY_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
+class Gateway:
+    """A `pagedserve gateway` process of the tests."""
+
+    process: subprocess.Popen[bytes]
+    url: str
+    log: Path
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+@dataclass(frozen=True)
 class Stack:
     url: str
     redis_url: str
     endpoint: str
     logs: Path
+
+    @contextlib.contextmanager
+    def gateway(
+        self, *flags: str, redis_url: str = "", env: dict[str, str] | None = None
+    ) -> Iterator[Gateway]:
+        """Another gateway on this stack (its Redis database unless ``redis_url``), once it
+        answers HTTP (``/health`` may say 503); SIGINT, then SIGKILL, when done."""
+        port = free_port()
+        log = self.logs / f"gateway-{port}.log"
+        common = ["--model", "tiny", "--redis-url", redis_url or self.redis_url]
+        flags = (*common, "--kvstore", self.endpoint, "--port", str(port), *flags)
+        environment = {"PAGEDSERVE_ADMIN_TOKEN": ADMIN_TOKEN, **(env or {})}
+        with open(log, "wb") as out:
+            process = spawn_process(
+                "gateway",
+                list(flags),
+                env={**os.environ, **environment},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        gateway = Gateway(process, f"http://127.0.0.1:{port}", log)
+        try:
+            wait_listening(gateway, 60)
+            yield gateway
+        finally:
+            stop_process(process)
 
     def admin(self, path: str, method: str = "GET", token: str | None = ADMIN_TOKEN) -> Any:
         """The admin API's JSON answer (raises urllib.error.HTTPError on a 4xx/5xx)."""
@@ -56,6 +96,21 @@ class Stack:
             time.sleep(0.2)
 
 
+def wait_listening(gateway: Gateway, timeout_s: float) -> None:
+    """Until the gateway answers ``/health`` at all (200 or 503)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert gateway.process.poll() is None, f"the gateway exited: {gateway.output()[-2000:]}"
+        try:
+            with urllib.request.urlopen(f"{gateway.url}/health", timeout=2):
+                return
+        except urllib.error.HTTPError:
+            return
+        except (urllib.error.URLError, OSError):
+            time.sleep(0.2)
+    raise AssertionError(f"{gateway.url} not listening after {timeout_s} s")
+
+
 def wait_healthy(url: str, processes: list[subprocess.Popen[bytes]], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -70,38 +125,33 @@ def wait_healthy(url: str, processes: list[subprocess.Popen[bytes]], timeout_s: 
     raise AssertionError(f"{url} not healthy after {timeout_s} s")
 
 
-@pytest.fixture(scope="package")
-def stack(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    logs = tmp_path_factory.mktemp("gateway-stack")
-    url = redis_url.rsplit("/", 1)[0] + "/3"
-    kvstore, endpoint = start_kvstore("--model", "tiny", "--kv-memory", "0.05GiB")
-    port = free_port()
+@contextlib.contextmanager
+def running_stack(
+    redis_url: str, logs: Path, db: int, kv_memory: str = "0.05GiB", *gateway_flags: str
+) -> Iterator[Stack]:
+    """A whole stack on CPU (the kvstore, one worker, one gateway) on Redis database ``db``."""
+    url = redis_url.rsplit("/", 1)[0] + f"/{db}"
+    kvstore, endpoint = start_kvstore("--model", "tiny", "--kv-memory", kv_memory)
     worker_log = open(logs / "worker.log", "wb")  # noqa: SIM115 (open for the stack's life)
-    gateway_log = open(logs / "gateway.log", "wb")  # noqa: SIM115
     common = ["--model", "tiny", "--redis-url", url, "--kvstore", endpoint]
     worker = spawn_process(
         "compute", [*common, "--device", "cpu"], stdout=worker_log, stderr=subprocess.STDOUT
     )
-    env = {**os.environ, "PAGEDSERVE_ADMIN_TOKEN": ADMIN_TOKEN}
-    gateway_flags = [*common, "--port", str(port), "--max-body-bytes", str(MAX_BODY_BYTES)]
-    gateway = spawn_process(
-        "gateway", gateway_flags, env=env, stdout=gateway_log, stderr=subprocess.STDOUT
-    )
-    base = f"http://127.0.0.1:{port}"
+    stack = Stack("", url, endpoint, logs)
     try:
-        wait_healthy(base, [kvstore, worker, gateway], 180)
-        yield Stack(base, url, endpoint, logs)
+        with stack.gateway("--max-body-bytes", str(MAX_BODY_BYTES), *gateway_flags) as gateway:
+            wait_healthy(gateway.url, [kvstore, worker, gateway.process], 180)
+            yield dataclasses.replace(stack, url=gateway.url)
     finally:
-        for process in (gateway, worker):
-            if process.poll() is None:
-                process.send_signal(2)
-                try:
-                    process.wait(60)
-                except subprocess.TimeoutExpired:
-                    process.kill()
+        stop_process(worker)
         stop_process(kvstore)
         worker_log.close()
-        gateway_log.close()
+
+
+@pytest.fixture(scope="package")
+def stack(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    with running_stack(redis_url, tmp_path_factory.mktemp("gateway-stack"), 3) as running:
+        yield running
 
 
 # ---------------------------------------------------------------- raw HTTP helpers
@@ -122,7 +172,7 @@ async def sse_events(response: aiohttp.ClientResponse) -> AsyncIterator[Any]:
     """The JSON events of an SSE response; "[DONE]" as the string."""
     async for raw in response.content:
         line = raw.strip()
-        if not line:
+        if not line or line.startswith(b":"):  # blank, or an SSE comment (a keep-alive)
             continue
         assert line.startswith(b"data: "), line
         data = line[len(b"data: ") :]

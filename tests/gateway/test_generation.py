@@ -69,10 +69,10 @@ def test_the_workers_text_is_forwarded_as_released(
                 redis_client,
                 [
                     record("fwd", 0, [0xC3], ""),
-                    record("fwd", 0, [0xA9], "é"),
-                    record("fwd", 0, [ord("o")], ""),
-                    record("fwd", 0, [ord(" ")], ""),
-                    record("fwd", 0, [ord("w")], "", finish_reason="stop", final=True),
+                    record("fwd", 0, [0xA9], "é", offset=1),
+                    record("fwd", 0, [ord("o")], "", offset=2),
+                    record("fwd", 0, [ord(" ")], "", offset=3),
+                    record("fwd", 0, [ord("w")], "", finish_reason="stop", final=True, offset=4),
                 ],
             )
             return await collect(gen), gen.usage()
@@ -93,7 +93,7 @@ def test_prompts_and_n_map_to_choice_indices(redis_client: redis.Redis, redis_ur
                         redis_client,
                         [
                             record(f"multi-{i}", k, [1], letter),
-                            record(f"multi-{i}", k, [1], letter, finish_reason="length"),
+                            record(f"multi-{i}", k, [1], letter, finish_reason="length", offset=1),
                         ],
                     )
                 queue.publish(redis_client, [queue.OutputRecord(f"multi-{i}", 1, final=True)])

@@ -72,7 +72,7 @@ def test_records_round_trip() -> None:
     [
         b"\xc1garbage",
         q.encode(OutputRecord("a")),  # another record type
-        msgspec.msgpack.encode(["req", "a", [1], {}, "tiny", 0.0, None, 0, "extra"]),
+        msgspec.msgpack.encode(["req", "a", [1], {}, "tiny", 0.0, None, 0, "gw", "extra"]),
         msgspec.msgpack.encode(["req", "a", [1], {"n": 0}, "tiny", 0.0]),  # invalid params
         msgspec.msgpack.encode(["req", "a", [1], {"nope": 1}, "tiny", 0.0]),  # unknown field
     ],
@@ -217,6 +217,40 @@ def test_request_that_kills_workers_is_failed(r: redis.Redis, url: str) -> None:
     assert r.xlen(q.REQUEST_STREAM) == 0
 
 
+def test_a_worker_takes_its_own_pending_requests_back(r: redis.Redis, url: str) -> None:
+    """``claim_own``: after a restart under the same name each request counts as a delivery
+    (the poisonous one is failed, as by ``claim_stale``); after an outage in the same process it
+    does not; a request another worker claimed meanwhile is not taken back; a deleted one is
+    acked."""
+    run(submit_all(url, [request(x) for x in "abcd"]))
+    ids = [e for e, _ in q.read_requests(r, "w1", count=10)]
+    assert [rec.req_id for _, rec in q.claim_own(r, "w1", redeliver=False)] == list("abcd")
+    pending = r.xpending_range(q.REQUEST_STREAM, q.REQUEST_GROUP, "-", "+", 10)
+    assert [p["times_delivered"] for p in pending] == [1, 1, 1, 1]
+    time.sleep(0.05)
+    assert [rec.req_id for _, rec in q.claim_stale(r, "w2", min_idle_ms=20, count=1)] == ["a"]
+    r.xdel(q.REQUEST_STREAM, ids[3])  # "d" deleted without an ack
+    assert [rec.req_id for _, rec in q.claim_own(r, "w1", redeliver=True)] == ["b", "c"]
+    assert q.claim_own(r, "w2", redeliver=True, max_deliveries=2) == []  # "a": delivery 3
+    [failed] = run(collect(url, "a"))
+    assert failed.finish_reason == "error" and "3 times" in (failed.error or "")
+    pending = r.xpending_range(q.REQUEST_STREAM, q.REQUEST_GROUP, "-", "+", 10)
+    assert [(p["consumer"], p["times_delivered"]) for p in pending] == [(b"w1", 2), (b"w1", 2)]
+
+
+def test_dead_gateways_are_found_by_the_step(r: redis.Redis, url: str) -> None:
+    async def renew() -> None:
+        ar = redis.asyncio.Redis.from_url(url)
+        await q.renew_gateway(ar, "gw-alive", ttl_s=30)
+        await q.renew_gateway(ar, "gw-brief", ttl_s=0.05)
+        await ar.aclose()
+
+    run(renew())
+    time.sleep(0.1)
+    checked = q.step(r, [], check_gateways=["gw-alive", "gw-brief", "gw-never"])
+    assert checked == q.Checked(set(), {"gw-brief", "gw-never"})
+
+
 def test_claim_acks_entries_deleted_from_the_stream(r: redis.Redis, url: str) -> None:
     run(submit_all(url, [request("a"), request("b")]))
     (gone, _), (kept, _) = q.read_requests(r, "w1", count=10)
@@ -260,8 +294,9 @@ def test_abort_is_seen_by_the_batched_check(r: redis.Redis, url: str) -> None:
     run(abort_two())
     assert q.aborted(r, ids) == {"r1", "r3"}
     assert q.is_aborted(r, "r1") and not q.is_aborted(r, "r0")
-    assert q.step(r, [OutputRecord("r0", 0, [1])], check_aborted=ids) == {"r1", "r3"}
-    assert q.step(r, []) == set()
+    checked = q.step(r, [OutputRecord("r0", 0, [1])], check_aborted=ids)
+    assert checked == q.Checked({"r1", "r3"}, set())
+    assert q.step(r, []) == q.Checked(set(), set())
     assert 0 < r.ttl(q.abort_key("r1")) <= q.ABORT_TTL_S
 
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import stat
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 
 import msgspec
@@ -96,7 +99,7 @@ def test_step_errors_are_per_item(client: KVClient) -> None:
     ]
     assert [a.req_id for a in reply.admitted] == ["e2"]
     huge = client.call(p.Step("w-err", admits=[p.AdmitItem("e3", [1] * 10_000_000)]))
-    assert huge.errors[0].code == "bad_argument" and "more blocks than" in huge.errors[0].message
+    assert huge.errors[0].code == "too_large" and "at most" in huge.errors[0].message
     big = client.call(
         p.Step("w-err", admits=[p.AdmitItem("e4", [1] * 16 * (reg.num_gpu_blocks // 2))])
     )
@@ -132,6 +135,20 @@ def test_bad_frames_get_error_replies_and_the_daemon_keeps_serving(daemon: str) 
     sock.close()
     with KVClient(daemon) as client:
         assert isinstance(client.call(p.Ping()), p.Pong)
+
+
+def test_without_a_token_configured_any_token_is_accepted(daemon: str) -> None:
+    for token in ("", "anything"):
+        with KVClient(daemon, token=token) as client:
+            assert isinstance(client.call(p.Ping()), p.Pong)
+
+
+def test_the_socket_and_the_pool_file_are_private(daemon: str, client: KVClient) -> None:
+    path = daemon.removeprefix("ipc://")
+    assert stat.S_ISSOCK(os.stat(path).st_mode) and stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    pool = register(client, "w-private").pool.shm_path
+    assert stat.S_IMODE(os.stat(pool).st_mode) == 0o600
+    client.call(p.Unregister("w-private"))
 
 
 def test_dead_worker_requests_are_kept_for_grace_then_reclaimed(client: KVClient) -> None:
@@ -257,6 +274,10 @@ def test_recompute_decision_gets_the_cost_the_worker_reports(client: KVClient) -
     ],
 )
 def test_bad_flags_exit_with_a_clear_message(flags: list[str], message: str) -> None:
+    endpoint = f"ipc:///tmp/pagedserve-test-{uuid.uuid4().hex[:8]}.sock"  # not the default one
     cmd = [sys.executable, "-m", "pagedserve.cli", "kvstore", "--device", "cpu", *flags]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    done = subprocess.run(
+        [*cmd, "--endpoint", endpoint], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
     assert done.returncode != 0 and message in done.stderr and "Traceback" not in done.stderr
+    assert not os.path.exists(endpoint.removeprefix("ipc://"))  # bound first, removed on exit

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
+import stat
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -17,7 +20,9 @@ from kvstore.device import (
     blocks_for_memory,
     blocks_in_gib,
     contiguous_runs,
+    create_shm_file,
     map_pool,
+    remove_stale_pool_files,
 )
 from kvstore.manager import KVCacheManager
 from kvstore.service import KVService
@@ -150,3 +155,50 @@ def test_expandable_segments_are_forced_off(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
     disable_expandable_segments()
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:False"
+
+
+def test_the_shm_pool_file_is_private_and_locked(pools: DevicePools) -> None:
+    path = pools.shm_path
+    assert os.path.basename(path).startswith(f"pagedserve-kv-{os.getpid()}-")
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(BlockingIOError):  # the daemon's flock: never taken for stale
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        os.close(fd)
+    with pytest.raises(FileExistsError):  # O_EXCL: never a file someone planted
+        create_shm_file(path, 16)
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
+
+
+def test_stale_pool_files_of_dead_processes_are_removed(tmp_path: Path) -> None:
+    dead = _dead_pid()
+    files = {
+        "dead": tmp_path / f"pagedserve-kv-{dead}-aaaa",
+        "live": tmp_path / f"pagedserve-kv-{os.getpid()}-bbbb",
+        "locked": tmp_path / f"pagedserve-kv-{dead}-cccc",  # a live daemon, other pid namespace
+        "other_name": tmp_path / f"other-{dead}-dddd",
+        "no_pid": tmp_path / "pagedserve-kv-x-eeee",
+    }
+    for path in files.values():
+        path.write_bytes(b"k" * 8192)
+    lock = os.open(files["locked"], os.O_RDONLY)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if os.getuid() == 0:
+        files["not_mine"] = tmp_path / f"pagedserve-kv-{dead}-ffff"
+        files["not_mine"].write_bytes(b"k")
+        os.chown(files["not_mine"], 65534, -1)
+    try:
+        assert remove_stale_pool_files(str(tmp_path)) == (1, 8192)
+    finally:
+        os.close(lock)
+    assert sorted(f.name for f in tmp_path.iterdir()) == sorted(
+        path.name for key, path in files.items() if key != "dead"
+    )
+    assert remove_stale_pool_files(str(tmp_path / "missing")) == (0, 0)

@@ -40,7 +40,7 @@ SAMPLES: list[msgspec.Struct] = [
     p.Ping(),
     p.Error("bad_message", "nope"),
     p.Ack(),
-    p.Registered(POOL, 100, 50, 10.0),
+    p.Registered(POOL, 100, 50, 10.0, 99),
     PLACED,
     p.Grown("r1", [7], [(2, 3, 8)]),
     p.ItemError("r1", "append", "no_space", "full"),
@@ -61,6 +61,7 @@ SAMPLES: list[msgspec.Struct] = [
     p.Stats(
         16,
         1024,
+        1,
         p.TierStats(1, 1, 0, 0),
         p.TierStats(0, 0, 0, 0),
         1,

@@ -1,0 +1,172 @@
+"""The worker's side of the kvstore: one ``Step`` round trip per engine step keeps the kvstore's
+block tables and the scheduler's in step.
+
+``KVSync`` owns the kvstore bookkeeping between two steps: the forks and frees to send, the
+copy-on-write copies the kvstore asked for (the runner performs them before its next forward).
+``step`` sends the step's work, applies the reply to the scheduler (placements, new blocks,
+preemptions; while a running sequence got no block for its new tokens, it preempts the latest
+arrival and retries, one more round trip each) and returns the requests the kvstore refused for
+good (``Refusal``), for the engine to end with an error.
+
+An error that says the kvstore's state is not what this worker thinks (an unknown request, one
+owned by another worker, a table that differs) raises ``Diverged``: the engine then rebuilds its
+requests from Redis and adopts their blocks again, as after an outage.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from compute.registry import Requests
+from compute.requests import Active
+from compute.scheduler import SeqStatus, Sequence
+from kvstore import protocol as p
+from kvstore.client import KVClient
+
+log = logging.getLogger("pagedserve.compute")
+_DIVERGED = ("unknown_request", "not_owner", "wrong_state")
+
+
+class Diverged(Exception):
+    """The kvstore's view of this worker's requests differs from the worker's."""
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """The kvstore refused a request for good (too large for the pool, a bad argument)."""
+
+    active: Active
+    message: str
+
+
+@dataclass
+class KVSync:
+    kv: KVClient
+    worker_id: str
+    requests: Requests
+    forks: dict[str, list[str]] = field(default_factory=dict)  # parent -> children, to send
+    frees: list[str] = field(default_factory=list)  # sequences to free, to send
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) the runner owes
+
+    def step(self, computed: set[str]) -> list[Refusal]:
+        """Sends the step's forks and frees, reports the progress of every running sequence
+        ``computed`` this step or holding unreported tokens (decodes as one columnar
+        TokenBatch), resumes and admits what the scheduler places; applies the reply."""
+        scheduler = self.requests.scheduler
+        forks = [p.ForkItem(parent, children) for parent, children in self.forks.items()]
+        frees, self.forks, self.frees = self.frees, {}, []
+        decodes, appends = [], []
+        for seq in scheduler.running():
+            if len(seq.unreported) == 1 and seq.num_computed == seq.num_reported:
+                decodes.append(seq)
+            elif seq.unreported or seq.seq_id in computed:
+                appends.append(p.AppendItem(seq.seq_id, seq.unreported, seq.num_computed))
+        tokens = (
+            p.TokenBatch(
+                [s.seq_id for s in decodes],
+                [s.token_ids[-1] for s in decodes],
+                [s.num_computed for s in decodes],
+            )
+            if decodes
+            else None
+        )
+        to_place = scheduler.to_place()
+        reporting = [s.seq_id for s in decodes] + [a.req_id for a in appends]
+        reply = self.call(
+            p.Step(
+                self.worker_id,
+                frees=frees,
+                forks=forks,
+                appends=appends,
+                tokens=tokens,
+                resumes=[s.seq_id for s in to_place if s.status is SeqStatus.PREEMPTED],
+                admits=[self._admit_item(s) for s in to_place if s.status is SeqStatus.WAITING],
+            )
+        )
+        return self._apply(reply, reporting)
+
+    def call(self, body: p.Step) -> p.StepReply:
+        reply = self.kv.call(body)
+        if not isinstance(reply, p.StepReply):
+            raise Diverged(f"the kvstore answered a Step with {type(reply).__name__}")
+        return reply
+
+    def _admit_item(self, seq: Sequence) -> p.AdmitItem:
+        owner = self.requests.owner(seq.seq_id)
+        assert owner is not None, f"{seq.seq_id}: a sequence of no request"
+        adopt = seq.seq_id in self.requests.adopting
+        return p.AdmitItem(seq.seq_id, seq.token_ids, owner.record.salt, adopt=adopt)
+
+    def _apply(self, reply: p.StepReply, reporting: list[str]) -> list[Refusal]:
+        """Takes in a step reply; while a running sequence got no block for its new tokens,
+        preempts the latest arrival and retries (one more round trip each)."""
+        scheduler, refusals = self.requests.scheduler, []
+        while True:
+            refused = {e.req_id for e in reply.errors if e.op == "append"}
+            for placed in reply.forked:  # before the same reply's copy-on-write changes
+                table = scheduler.seqs[placed.req_id].block_ids[: len(placed.block_ids)]
+                if table != placed.block_ids:
+                    raise Diverged(f"{placed.req_id}: the fork's table differs from the kvstore's")
+            for seq_id in reporting:  # accepted, whether or not its table changed
+                if seq_id not in refused:
+                    scheduler.reported(seq_id)
+            for grown in reply.appended:
+                self.copies += scheduler.grown(grown.req_id, grown.new_block_ids, grown.copies)
+            for req_id, _mode in reply.preempted:
+                scheduler.preempted(req_id)
+            for placed in reply.admitted:  # the kvstore knows every token we sent
+                seq = scheduler.seqs[placed.req_id]
+                scheduler.placed(
+                    seq.seq_id, placed.block_ids, placed.num_computed, len(seq.token_ids)
+                )
+                owner = self.requests.owner(seq.seq_id)
+                assert owner is not None
+                owner.cached_tokens = placed.num_cached_tokens
+                self.requests.adopting.discard(seq.seq_id)
+            for placed in reply.resumed:  # the kvstore knows what it held when preempted
+                seq = scheduler.seqs[placed.req_id]
+                scheduler.placed(
+                    seq.seq_id, placed.block_ids, placed.num_computed, seq.num_reported
+                )
+            refusals += [r for e in reply.errors if (r := self._refusal(e)) is not None]
+            starved = [
+                e.req_id
+                for e in reply.errors
+                if e.op == "append"
+                and e.code == "no_space"
+                and scheduler.seqs[e.req_id].status is SeqStatus.RUNNING
+            ]
+            if not starved:
+                return refusals
+            victim = scheduler.victim()
+            assert victim is not None, "no running sequence to preempt"
+            retry = [scheduler.seqs[r] for r in starved if r != victim.seq_id]
+            reporting = [seq.seq_id for seq in retry]
+            reply = self.call(
+                p.Step(
+                    self.worker_id,
+                    preempts=[victim.seq_id],
+                    appends=[p.AppendItem(s.seq_id, s.unreported, s.num_computed) for s in retry],
+                )
+            )
+            log.info("preempted %s for lack of blocks: %s", victim.seq_id, reply.preempted)
+
+    def _refusal(self, error: p.ItemError) -> Refusal | None:
+        """What a refused item means. None: nothing to do now (no space yet: it waits; a free
+        of what the kvstore no longer holds)."""
+        if error.code == "no_space" or error.op == "free":
+            return None
+        if error.op == "admit" and error.req_id in self.requests.adopting:
+            if error.code == "unknown_request":  # its blocks are gone: admit it, recompute
+                self.requests.adopting.discard(error.req_id)
+                return None
+            if error.code == "conflict":  # the kvstore's lease on the dead worker runs on
+                return None
+        if error.code in _DIVERGED:
+            raise Diverged(f"the kvstore refused {error.op} of {error.req_id!r}: {error.message}")
+        owner = self.requests.owner(error.req_id)
+        if owner is None:
+            log.error("the kvstore refused %s: %s", error.op, error.message)
+            return None
+        return Refusal(owner, f"{error.code}: {error.message}")

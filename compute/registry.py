@@ -1,0 +1,138 @@
+"""What a compute worker knows of the requests it serves, in one owner: ``Requests``.
+
+A request (``Active``) has sampled branches (``n`` sequences, the ones beyond the first forked
+after the prompt) or a beam search (its live beams); each sequence is a scheduler ``Sequence``
+and a kvstore request. ``Requests`` maps request ids to requests and sequence ids to the request
+(and branch) they belong to, and keeps those maps and the scheduler consistent: sequences enter
+through it and leave through ``finish``/``remove``. Owned by the engine's loop; a new one is made
+when the worker rebuilds its state after losing the kvstore or Redis.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from collections.abc import Sequence as Seq
+
+from compute.beams import BeamGroup
+from compute.requests import Active, Branch
+from compute.sampling import StopChecker
+from compute.scheduler import Scheduler, Sequence
+from gateway import queue
+
+
+class Requests:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        decode: Callable[[Seq[int]], str],
+        eos_ids: Collection[int],
+        worker_id: str,
+    ) -> None:
+        """``decode``: token ids -> output text (the stop checkers'); ``worker_id`` names the
+        beams this worker forks (apart from those of a dead worker that served a request)."""
+        self.scheduler = scheduler
+        self._decode = decode
+        self._eos_ids = eos_ids
+        self._worker_id = worker_id
+        self.active: dict[str, Active] = {}  # by request id
+        self._branches: dict[str, tuple[Active, Branch]] = {}  # by sequence id
+        self._beams: dict[str, Active] = {}  # by sequence id: the live beams
+        self.adopting: set[str] = set()  # sequences to adopt at the kvstore, not admit
+
+    # ------------------------------------------------------------------ entering
+    def start(self, entry_id: str, record: queue.RequestRecord) -> Active:
+        """A request from its first token: its first branch, or its beam search's root."""
+        seq = self.scheduler.add(record.req_id, record.prompt_token_ids)
+        active = Active(entry_id, record, {})
+        self.active[record.req_id] = active
+        if record.params.beam_width > 1:
+            active.beams = BeamGroup(seq, record.params, self._eos_ids, self._worker_id)
+            self._beams[seq.seq_id] = active
+        else:
+            self.add_branch(active, seq, 0)
+        return active
+
+    def resume_streamed(
+        self, entry_id: str, record: queue.RequestRecord, streamed: queue.Streamed
+    ) -> Active:
+        """A request another worker (or this one, before an outage) served: each unfinished
+        branch continues from the tokens it streamed, to be adopted at the kvstore. A beam
+        search (nothing streamed until it ends) or a request that streamed nothing starts again,
+        also adopting what the kvstore kept of its prompt."""
+        if record.params.beam_width > 1 or not streamed.sequences:
+            active = self.start(entry_id, record)
+            self.adopting.add(record.req_id)
+            return active
+        active = Active(entry_id, record, {}, live=0)
+        self.active[record.req_id] = active
+        for index in range(record.params.n):
+            streamed_seq = streamed.sequences[index]  # all n stream from the first token on
+            if streamed_seq.finish_reason is not None:
+                continue
+            seq_id = record.req_id if index == 0 else f"{record.req_id}#{index}"
+            generated = streamed_seq.token_ids
+            branch = self.add_branch(
+                active, self.scheduler.add(seq_id, record.prompt_token_ids, generated), index
+            )
+            self.adopting.add(seq_id)
+            active.live += 1
+            for token in generated:  # the stop checker and the seeded stream continue from here
+                branch.stop.append(token)
+        return active
+
+    def add_branch(self, active: Active, seq: Sequence, index: int) -> Branch:
+        context = active.record.prompt_token_ids[-4:]
+        stop = StopChecker(active.record.params, self._eos_ids, self._decode, context)
+        branch = Branch(index, seq, stop)
+        active.branches[index] = branch
+        self._branches[seq.seq_id] = (active, branch)
+        return branch
+
+    def fork_branch(self, active: Active, index: int, first_token: int) -> Branch:
+        """Branch ``index`` of an ``n > 1`` request, forked from branch 0 right after its first
+        token was sampled (the scheduler's fork: it shares branch 0's blocks). The caller
+        counted it in ``active.live`` already."""
+        parent = active.branches[0].seq.seq_id
+        child = self.scheduler.fork(parent, f"{parent}#{index}", first_token)
+        return self.add_branch(active, child, index)
+
+    def add_beams(self, active: Active, seq_ids: Collection[str]) -> None:
+        for seq_id in seq_ids:
+            self._beams[seq_id] = active
+
+    # ------------------------------------------------------------------ lookups
+    def branch(self, seq_id: str) -> tuple[Active, Branch] | None:
+        return self._branches.get(seq_id)
+
+    def beam_search(self, seq_id: str) -> Active | None:
+        """The request whose live beam ``seq_id`` is, if it is one."""
+        return self._beams.get(seq_id)
+
+    def owner(self, seq_id: str) -> Active | None:
+        branch = self._branches.get(seq_id)
+        return branch[0] if branch is not None else self._beams.get(seq_id)
+
+    def gateways(self) -> list[str]:
+        """The gateways waiting for these requests (their liveness keys are checked)."""
+        return sorted({a.record.gateway for a in self.active.values() if a.record.gateway})
+
+    # ------------------------------------------------------------------ leaving
+    def finish(self, seq_id: str) -> None:
+        """Sequence ``seq_id`` ended (its request may go on): forgotten here and by the
+        scheduler. Freeing it at the kvstore is the caller's."""
+        if self._branches.pop(seq_id, None) or self._beams.pop(seq_id, None):
+            self.scheduler.finish(seq_id)
+        self.adopting.discard(seq_id)
+
+    def done(self, active: Active) -> None:
+        """Request ``active`` finished: every sequence already ``finish``ed."""
+        del self.active[active.record.req_id]
+
+    def remove(self, active: Active) -> list[str]:
+        """Forgets request ``active`` and every sequence of it. Returns the ids of those the
+        kvstore holds (running or preempted): the caller frees them."""
+        held = [seq.seq_id for seq in active.held()]
+        for seq in active.sequences():
+            self.finish(seq.seq_id)
+        del self.active[active.record.req_id]
+        return held
