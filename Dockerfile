@@ -26,6 +26,7 @@ COPY kvstore ./kvstore
 COPY compute ./compute
 COPY gateway ./gateway
 COPY kernels ./kernels
+COPY contracts ./contracts
 RUN python -m pip list --format=freeze | grep -E '^(torch|triton)==' > /tmp/base-constraints.txt \
     && grep -q '^torch==' /tmp/base-constraints.txt \
     && python -m pip install --constraint /tmp/base-constraints.txt . \

@@ -1,5 +1,6 @@
 # pagedserve: `make serve` runs the stack (flags for `pagedserve up` in SERVE_ARGS, e.g.
-# SERVE_ARGS="--port 8001 --workers 2"), `make test` runs the CPU test suite.
+# SERVE_ARGS="--port 8001 --workers 2"), `make test` runs the static checks (`make lint`) and the CPU
+# test suite.
 # Both create .venv on a fresh machine. torch==2.13.0 is installed first: a local CPU build where
 # one is provided, the CUDA build of the same version on GPU hosts.
 PYTHON ?= python3
@@ -21,12 +22,15 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)
 	$(VENV)/bin/pagedserve up $(SERVE_ARGS)
 
-test: $(STAMP)
+test: lint $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+# Static checks, part of `make test`: ruff's lint and format, mypy over the configured files
+# (pyproject.toml: strict on contracts/ and the kvstore core).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 bench-rpc: $(STAMP)
 	$(PY) bench/rpc.py

@@ -19,6 +19,7 @@ import random
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -26,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import redis
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, PretrainedConfig
 
 import compute.attention  # noqa: F401  (registers the "paged" attention function)
 from bench.serve import serve_jobs, stack
@@ -34,13 +35,13 @@ from compute.engine import Engine
 from compute.models import FAMILIES, byte_tokenizer, tiny_family_config
 from compute.runner import ScheduledChunk
 from compute.scheduler import SchedulerConfig
-from gateway import queue
+from contracts import queue_worker
 
 CAPTURED_POSITIONS = 4  # output positions whose logits are compared per request
 
 
-def family_config(family: str):  # type: ignore[no-untyped-def]
-    config = tiny_family_config(family)
+def family_config(family: str) -> PretrainedConfig:
+    config: PretrainedConfig = tiny_family_config(family)
     config.update(
         {
             "vocab_size": 32000,
@@ -62,9 +63,11 @@ def capture_logits(engine: Engine) -> dict[str, dict[int, torch.Tensor]]:
     """Wraps the engine's forward: keeps the logits row of every sampling chunk, by sequence id
     and position of the token it predicts, for each request's first CAPTURED_POSITIONS."""
     captured: dict[str, dict[int, torch.Tensor]] = {}
-    forward = engine.runner.forward
+    runner = engine.runner
+    assert runner is not None  # built when the engine registered with the kvstore
+    forward = runner.forward
 
-    def recording(batch: list[ScheduledChunk]) -> torch.Tensor:
+    def recording(batch: Sequence[ScheduledChunk]) -> torch.Tensor:
         logits = forward(batch)  # [B, vocab]
         by_table = {id(s.block_ids): s for s in engine.scheduler.seqs.values()}
         for row, chunk in enumerate(batch):
@@ -74,7 +77,7 @@ def capture_logits(engine: Engine) -> dict[str, dict[int, torch.Tensor]]:
                 captured.setdefault(seq.seq_id, {})[end] = logits[row].float().cpu()
         return logits
 
-    engine.runner.forward = recording  # type: ignore[method-assign]
+    runner.forward = recording  # type: ignore[method-assign]
     return captured
 
 
@@ -107,9 +110,11 @@ def check_family(family: str) -> dict:
                 captured = capture_logits(engine)
                 serve_jobs(engine, url, jobs, "fam")
                 outputs = [
-                    queue.read_streamed(redis.Redis.from_url(url), f"fam-{i}").sequences[0]
+                    queue_worker.read_streamed(redis.Redis.from_url(url), f"fam-{i}").sequences[0]
                     for i in range(len(jobs))
                 ]
+    runner = engine.runner
+    assert runner is not None
     ref32 = copy.deepcopy(ref).float()  # the oracle: fp32 weights (the bf16 ones, upcast)
     ours_err, sdpa_err, ours_agree, sdpa_agree, total = [], [], 0, 0, 0
     for i, ((prompt, _), out) in enumerate(zip(jobs, outputs, strict=True)):
@@ -131,7 +136,7 @@ def check_family(family: str) -> dict:
         "sdpa_err": (max(sdpa_err), sum(sdpa_err) / len(sdpa_err)),
         "ours_agree": ours_agree / total,
         "sdpa_agree": sdpa_agree / total,
-        "graph_replays": engine.runner.graphs.replays if engine.runner.graphs else 0,
+        "graph_replays": runner.graphs.replays if runner.graphs else 0,
     }
 
 

@@ -1,10 +1,12 @@
 """The latency the HTTP gateway adds, against reading the Redis contract directly.
 
-An instant worker (a separate process speaking ``gateway.queue``, no model) answers each request
+An instant worker (a separate process speaking the Redis contract, ``contracts.queue_worker``,
+no model) answers each request
 with ``--tokens`` printable byte tokens (and their text), one record every ``--interval-ms``, and
 notes when it published each. The same requests are then served two ways, one at a time:
 
-* direct: ``queue.submit`` + ``queue.stream_output`` (what a client of Redis itself would see);
+* direct: ``queue_gateway.submit`` + ``queue_gateway.stream_output`` (what a client of Redis
+  itself would see);
 * gateway: ``POST /v1/completions`` with ``stream: true`` to a real ``pagedserve gateway``
   process, reading the SSE chunks (one per token: each byte is one character).
 
@@ -36,7 +38,8 @@ import aiohttp
 import redis
 import redis.asyncio
 
-from gateway import queue
+from contracts import queue_gateway, queue_worker
+from contracts.records import OutputRecord, RequestRecord, SamplingParams
 from pagedserve.cli import spawn_process
 from pagedserve.redis_server import EmbeddedRedis, free_port
 
@@ -44,15 +47,15 @@ from pagedserve.redis_server import EmbeddedRedis, free_port
 def instant_worker(url: str, interval_s: float, stop: Connection) -> None:
     """Serves requests without a model; sends back {(req_id, k): publish time}."""
     r = redis.Redis.from_url(url)
-    queue.ensure_group(r)
+    queue_worker.ensure_group(r)
     published: dict[tuple[str, int], float] = {}
     while not stop.poll():
-        for entry_id, record in queue.read_requests(r, "bench", count=1, block_ms=50):
+        for entry_id, record in queue_worker.read_requests(r, "bench", count=1, block_ms=50):
             n = record.params.max_tokens
             for k in range(n):
                 token = ord("a") + k % 26
                 last = k == n - 1
-                rec = queue.OutputRecord(
+                rec = OutputRecord(
                     record.req_id,
                     0,
                     [token],
@@ -63,7 +66,7 @@ def instant_worker(url: str, interval_s: float, stop: Connection) -> None:
                     offset=k,
                 )
                 published[(record.req_id, k)] = time.perf_counter()
-                queue.step(r, [rec], [entry_id] if last else [])
+                queue_worker.step(r, [rec], [entry_id] if last else [])
                 if not last:
                     time.sleep(interval_s)
     stop.send(published)
@@ -72,13 +75,13 @@ def instant_worker(url: str, interval_s: float, stop: Connection) -> None:
 async def direct(url: str, n: int, tokens: int) -> tuple[list[float], dict[tuple[str, int], float]]:
     r = redis.asyncio.Redis.from_url(url)
     ttft, arrived = [], {}
-    params = queue.SamplingParams(max_tokens=tokens, ignore_eos=True)
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
     for i in range(n):
         req_id = f"direct-{i}"
         sent = time.perf_counter()
-        await queue.submit(r, queue.RequestRecord(req_id, [256, 104, 105], params, "tiny", 0.0))
+        await queue_gateway.submit(r, RequestRecord(req_id, [256, 104, 105], params, "tiny"))
         k = 0
-        async for record in queue.stream_output(r, req_id):
+        async for record in queue_gateway.stream_output(r, req_id):
             for _ in record.token_ids:
                 now = time.perf_counter()
                 if k == 0:
@@ -119,7 +122,9 @@ def percentiles(values: list[float]) -> str:
     return f"p50 {q[49]:7.3f} ms  p90 {q[89]:7.3f} ms  p99 {q[98]:7.3f} ms"
 
 
-def delivery(arrived: dict[tuple[str, int], float], published: dict[tuple[str, int], float]):  # type: ignore[no-untyped-def]
+def delivery(
+    arrived: dict[tuple[str, int], float], published: dict[tuple[str, int], float]
+) -> list[float]:
     return [t - published[key] for key, t in arrived.items() if key in published]
 
 

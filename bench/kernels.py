@@ -16,8 +16,9 @@ import argparse
 import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Protocol, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +37,7 @@ BF16 = torch.bfloat16
 L2_BYTES = 60 << 20
 NUM_LAYERS = 2  # the pool's block stride spans 2 layers x (K, V)
 LINES: list[str] = []
+T = TypeVar("T")
 
 
 def say(line: str = "") -> None:
@@ -69,12 +71,12 @@ def launcher_cpu_us(fn: Callable[[], object], n: int = 2000) -> float:
     return (time.perf_counter() - t0) / n * 1e6
 
 
-def rotating(make: Callable[[], object], nbytes: int) -> list[object]:
+def rotating(make: Callable[[], T], nbytes: int) -> list[T]:
     """Enough independent input sets that cycling through them never hits L2."""
     return [make() for _ in range(max(1, math.ceil(4 * L2_BYTES / max(nbytes, 1))))]
 
 
-def cycle(fns: list[Callable[[], object]]) -> Callable[[], object]:
+def cycle(fns: Sequence[Callable[[], object]]) -> Callable[[], object]:
     state = [0]
 
     def run() -> object:
@@ -92,7 +94,9 @@ def copy_bandwidth() -> float:
     return 2 * (2 << 30) / (ms * 1e-3)
 
 
-def paged_setup(batch: int, ctx: int, kv_heads: int, head_dim: int, block_size: int = 16):
+def paged_setup(
+    batch: int, ctx: int, kv_heads: int, head_dim: int, block_size: int = 16
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A pool holding B requests of ctx tokens in randomly permuted blocks (one layer used)."""
     per_req = math.ceil(ctx / block_size)
     num_blocks = batch * per_req
@@ -233,6 +237,21 @@ def copy_blocks_case(pairs: int, kv_heads: int = 8, head_dim: int = 128) -> floa
     return 2 * pairs * pool[0].numel() * 2 / (ms * 1e-3)
 
 
+class TileConfig(Protocol):
+    """``kernels.decode.decode_config`` and ``kernels.prefill.prefill_config``."""
+
+    def __call__(self, head_dim: int, group: int) -> dict[str, int]: ...
+
+
+def fixed_config(cfg: dict[str, int]) -> TileConfig:
+    """A stand-in for a kernel's tile config: always ``cfg``."""
+
+    def config(head_dim: int, group: int) -> dict[str, int]:
+        return cfg
+
+    return config
+
+
 def sweep_decode_configs() -> None:
     say("\n## decode tile sweep (GB/s, graph-timed; 32/8 heads, d 128, bf16, block 16)")
     orig = kdecode.decode_config
@@ -241,7 +260,7 @@ def sweep_decode_configs() -> None:
     say("|---|---|---|---|---|")
     for bn, w, st in configs:
         cfg = {"BLOCK_N": bn, "num_warps": w, "num_stages": st}
-        kdecode.decode_config = lambda d, g, cfg=cfg: cfg
+        kdecode.decode_config = fixed_config(cfg)
         _, g1, b1 = decode_case(64, 4096, splits=1, eager=False)
         _, g2, b2 = decode_case(1, 32768, eager=False)
         say(f"| {bn} | {w} | {st} | {b1 / g1 / 1e6:.0f} | {b2 / g2 / 1e6:.0f} |")
@@ -301,12 +320,9 @@ def sweep_prefill_configs() -> None:
     for hq, hkv, d in PREFILL_SHAPES:
         flops = prefill_flops([2048] * 8, [4096] * 8, hq, d)
         for bm, bn, w, st in PREFILL_CONFIGS[d]:
-            kprefill.prefill_config = lambda dd, g, bm=bm, bn=bn, w=w, st=st: {
-                "BLOCK_M": bm,
-                "BLOCK_N": bn,
-                "num_warps": w,
-                "num_stages": st,
-            }
+            kprefill.prefill_config = fixed_config(
+                {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": st}
+            )
             try:
                 ms, _ = prefill_case(8, 2048, 2048, hq, hkv, d, baseline=False)
                 res = f"{flops / ms / 1e9:.0f}"

@@ -100,8 +100,8 @@ def main() -> None:
         daemon_mode = "busy-poll" if args.busy_poll else "poll"
         mode = f"client spin {args.client_spin_us:.0f} µs, daemon {daemon_mode}"
         shape = f"{args.requests} AppendItems" if args.items else f"TokenBatch of {args.requests}"
-        step = f"Step, {shape}, 1 token each ({mode})"
-        print(f"| {step} | {step_p50 * 1e6:.0f} | {step_p99 * 1e6:.0f} |")
+        call = f"Step, {shape}, 1 token each ({mode})"
+        print(f"| {call} | {step_p50 * 1e6:.0f} | {step_p99 * 1e6:.0f} |")
         print(f"| Ping ({mode}) | {ping_p50 * 1e6:.0f} | {ping_p99 * 1e6:.0f} |")
         client.close()
     finally:

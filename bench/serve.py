@@ -29,13 +29,28 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+if TYPE_CHECKING:  # the baselines' processes import nothing of ours
+    from transformers.generation import ContinuousBatchingManager
+
+    from compute.engine import Engine
+
+Jobs = list[tuple[list[int], int]]  # (prompt, max_tokens)
+
+
+class CanGenerate(Protocol):
+    """A causal LM's ``generate`` (``GenerationMixin``). transformers annotates its ``self`` as
+    its ``GenerativePreTrainedModel`` Protocol, which none of its models satisfies under mypy."""
+
+    def generate(self, **kwargs: Any) -> object: ...
 
 
 def llama_1b_config() -> LlamaConfig:
@@ -49,13 +64,13 @@ def llama_1b_config() -> LlamaConfig:
         head_dim=64,
         max_position_embeddings=4096,
         tie_word_embeddings=True,
-        rope_theta=500000.0,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
         bos_token_id=128000,
         eos_token_id=128001,
     )
 
 
-def workload(n: int, seed: int = 0) -> list[tuple[list[int], int]]:
+def workload(n: int, seed: int = 0) -> Jobs:
     rng = random.Random(seed)
     return [
         ([rng.randrange(128000) for _ in range(rng.randint(64, 1024))], rng.randint(32, 512))
@@ -63,7 +78,7 @@ def workload(n: int, seed: int = 0) -> list[tuple[list[int], int]]:
     ]
 
 
-def build_model(config: LlamaConfig, attn: str) -> torch.nn.Module:
+def build_model(config: LlamaConfig, attn: str) -> LlamaForCausalLM:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.bfloat16)
     return model.cuda().eval()
@@ -89,21 +104,21 @@ def stack(model_dir: str, kv_memory: str = "40") -> Iterator[tuple[str, str]]:
         server.stop()
 
 
-def serve_jobs(engine, url: str, jobs: list, tag: str) -> dict:  # type: ignore[no-untyped-def]
+def serve_jobs(engine: Engine, url: str, jobs: Jobs, tag: str) -> dict[str, Any]:
     """Submits ``jobs`` (prompt, max_tokens) greedy with ignore_eos and steps ``engine`` until
     every output stream is final."""
     import redis
     import redis.asyncio
 
-    from gateway import queue
+    from contracts import queue_gateway, queue_keys, queue_worker
+    from contracts.records import RequestRecord, SamplingParams
 
     records = [
-        queue.RequestRecord(
+        RequestRecord(
             f"{tag}-{i}",
             prompt,
-            queue.SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True),
+            SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True),
             "bench",
-            time.time(),
         )
         for i, (prompt, m) in enumerate(jobs)
     ]
@@ -111,7 +126,7 @@ def serve_jobs(engine, url: str, jobs: list, tag: str) -> dict:  # type: ignore[
     async def submit() -> None:
         client = redis.asyncio.Redis.from_url(url)
         for record in records:
-            await queue.submit(client, record)
+            await queue_gateway.submit(client, record)
         await client.aclose()
 
     r = redis.Redis.from_url(url)
@@ -123,10 +138,10 @@ def serve_jobs(engine, url: str, jobs: list, tag: str) -> dict:  # type: ignore[
         engine.step()
         steps += 1
         # done: every request acked (acks delete the entry) after its final record was published
-        if not engine.active and r.xlen(queue.REQUEST_STREAM) == 0:
+        if not engine.active and r.xlen(queue_keys.REQUEST_STREAM) == 0:
             break
     seconds = time.perf_counter() - start
-    streamed = [queue.read_streamed(r, rec.req_id) for rec in records]
+    streamed = [queue_worker.read_streamed(r, rec.req_id) for rec in records]
     assert all(s.final for s in streamed), "a request was not finished"
     tokens = sum(len(s.sequences[0].token_ids) for s in streamed)
     assert tokens == sum(m for _, m in jobs), "lost tokens"
@@ -134,7 +149,7 @@ def serve_jobs(engine, url: str, jobs: list, tag: str) -> dict:  # type: ignore[
     return {"seconds": seconds, "tokens": tokens, "steps": steps, "phases": phases}
 
 
-def run_ours(jobs: list, seqs: int, cuda_graphs: int) -> dict:
+def run_ours(jobs: Jobs, seqs: int, cuda_graphs: int) -> dict:
     import compute.attention  # noqa: F401  (registers the "paged" attention function)
     from compute.engine import Engine
     from compute.models import byte_tokenizer
@@ -174,7 +189,7 @@ def run_ours(jobs: list, seqs: int, cuda_graphs: int) -> dict:
 
 
 # ----------------------------------------------------------------------------- baselines
-def run_hf_continuous(jobs: list) -> dict:
+def run_hf_continuous(jobs: Jobs) -> dict:
     """transformers' continuous batching manager, one request per job with its own length."""
     from transformers import GenerationConfig
 
@@ -194,7 +209,7 @@ def run_hf_continuous(jobs: list) -> dict:
     return {"seconds": seconds, "tokens": tokens}
 
 
-def _collect(manager, ids: set[str]) -> int:  # type: ignore[no-untyped-def]
+def _collect(manager: ContinuousBatchingManager, ids: set[str | None]) -> int:
     tokens = 0
     while ids:
         result = manager.get_result(timeout=600)
@@ -206,7 +221,7 @@ def _collect(manager, ids: set[str]) -> int:  # type: ignore[no-untyped-def]
     return tokens
 
 
-def run_hf_static(jobs: list, batch: int = 32) -> dict:
+def run_hf_static(jobs: Jobs, batch: int = 32) -> dict:
     model = build_model(llama_1b_config(), "sdpa")
     model.generation_config.pad_token_id = 0
     useful, start = 0, time.perf_counter()
@@ -219,7 +234,7 @@ def run_hf_static(jobs: list, batch: int = 32) -> dict:
             ids[i, width - len(prompt) :] = torch.tensor(prompt)
             mask[i, width - len(prompt) :] = 1
         new = max(m for _, m in part)
-        model.generate(
+        cast(CanGenerate, model).generate(
             input_ids=ids.cuda(),
             attention_mask=mask.cuda(),
             max_new_tokens=new,

@@ -65,7 +65,7 @@ def profile(requests: int, steps: int, columnar: bool) -> tuple[float, float, fl
         length += 1
         times.append((t1 - t0, t2 - t1, t3 - t2))
     service.manager.check_integrity()
-    return tuple(statistics.median(col) * 1e6 for col in zip(*times[steps // 5 :], strict=True))  # type: ignore[return-value]
+    return tuple(statistics.median(col) * 1e6 for col in zip(*times[steps // 5 :], strict=True))
 
 
 def main() -> None:

@@ -13,14 +13,16 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from contracts.model_config import KVGeometry
 from kvstore.device import DevicePools
-from pagedserve.model_config import KVGeometry
 
 GiB = 1 << 30
 SHAPES = {
@@ -29,7 +31,7 @@ SHAPES = {
 }
 
 
-def median_s(fn, repeats: int = 7) -> float:  # type: ignore[no-untyped-def]
+def median_s(fn: Callable[[], object], repeats: int = 7) -> float:
     fn()
     times = []
     for _ in range(repeats):
@@ -77,8 +79,8 @@ def bench_shape(
     for layout, cpu_ids in (("consecutive", list(range(n))), ("fragmented", fragmented)):
         out_pairs = list(zip(gpu_ids, cpu_ids, strict=True))
         in_pairs = [(c, g) for g, c in out_pairs]
-        out_bw = n * block_bytes / median_s(lambda p=out_pairs: pools.swap_out(p)) / 1e9
-        in_bw = n * block_bytes / median_s(lambda p=in_pairs: pools.swap_in(p)) / 1e9
+        out_bw = n * block_bytes / median_s(partial(pools.swap_out, out_pairs)) / 1e9
+        in_bw = n * block_bytes / median_s(partial(pools.swap_in, in_pairs)) / 1e9
         print(
             f"| {name} | {block_bytes / 2**20:.1f} MiB | {layout} | {out_bw:.1f} | "
             f"{100 * out_bw / d2h:.0f}% | {in_bw:.1f} | {100 * in_bw / h2d:.0f}% |"

@@ -2,9 +2,10 @@
 
 ``import compute.attention`` registers it as ``attn_implementation="paged"`` (``ATTN_NAME``) in
 transformers' global ``AttentionInterface``. Each decoder layer then calls
-``paged_attention_forward(module, query, key, value, attention_mask, scaling=..., **kwargs)``,
-where ``kwargs`` are the extra keyword arguments of ``model(...)`` (DESIGN.md §8). The runner
-passes one of them, ``paged=PagedBatch(...)``, with everything the forward needs.
+``paged_attention_forward(module, query, key, value, attention_mask, scaling=..., **kwargs)``, where
+``kwargs`` are the extra keyword arguments of ``model(...)`` (transformers 5 passes them through to
+the attention function). The runner passes one of them, ``paged=PagedBatch(...)``, with everything
+the forward needs.
 
 Inputs are packed: ``input_ids [1, T]`` holds every scheduled token of every request (prefill
 chunks and decodes alike), request ``b`` owning rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]``;
@@ -20,7 +21,7 @@ runs the Triton kernels of ``kernels``; on CPU the pure-torch references of ``ke
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import AttentionInterface
@@ -125,7 +126,7 @@ def paged_attention_forward(
             f"sliding window {sliding_window} < context {paged.max_context_len} is not supported"
         )
     assert query.shape[0] == 1, f"packed batch expected, got query {tuple(query.shape)}"
-    layer = module.layer_idx
+    layer = cast(int, module.layer_idx)  # torch types a Module's attributes Tensor | Module
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     q = query[0].transpose(0, 1)  # [T, Hq, D]

@@ -10,7 +10,7 @@ A search round needs the next-token logits of every live beam. A beam whose forw
 preemption. The round then runs ``BeamSearch.step`` over all of them at once.
 
 Owned by the engine's loop; it mutates the scheduler only through ``append_sampled`` and
-``fork``. The scoring and stopping rules are ``compute.sampling.BeamSearch``'s.
+``fork``. The scoring and stopping rules are ``compute.beam_search.BeamSearch``'s.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from compute.sampling import BeamSearch
+from compute.beam_search import BeamSearch
 from compute.scheduler import Scheduler, SeqStatus, Sequence
 
 if TYPE_CHECKING:
-    from gateway.records import SamplingParams
+    from contracts.records import FinishReason, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -99,20 +99,17 @@ class BeamGroup:
         assert len(self.live) == len(kept)
         return BeamRound(frees, forks)
 
-    def best(self, n: int, decode: Callable[[list[int]], str]) -> list[tuple[list[int], str, str]]:
+    def best(
+        self, n: int, decode: Callable[[list[int]], str]
+    ) -> list[tuple[list[int], FinishReason, str]]:
         """The n best hypotheses, best first: (tokens, finish reason, text without the stop
         token)."""
-        out = []
+        out: list[tuple[list[int], FinishReason, str]] = []
         for h in self.search.best(n):
             tokens = list(h.token_ids)
             stopped = bool(tokens) and tokens[-1] in self.stop_ids
-            out.append(
-                (
-                    tokens,
-                    "stop" if stopped else "length",
-                    decode(tokens[:-1] if stopped else tokens),
-                )
-            )
+            reason: FinishReason = "stop" if stopped else "length"
+            out.append((tokens, reason, decode(tokens[:-1] if stopped else tokens)))
         return out
 
     def _name(self) -> str:

@@ -19,14 +19,15 @@ its first token is never forked.
 
 The worker holds nothing that cannot be rebuilt: request state is in Redis (the request entry,
 its output stream) and the KV blocks are the kvstore's. A live worker renews its claim on its
-requests (``queue.touch``); the requests of a dead one are taken over (``queue.claim_stale``),
-rebuilt from the tokens already streamed and ``adopt``ed at the kvstore, which keeps their
-blocks for a grace period, so nothing is prefilled again (if the blocks are gone, it recomputes).
-The same path serves this worker itself: at startup it takes back what a previous process under
-its id left pending (``queue.claim_own``), and when it loses the kvstore or Redis (a timeout, a
-restart, a connection error) or finds the kvstore's state differs from its own, it drops its
-in-memory state, registers again (mapping the kvstore's new pool if it restarted), and rebuilds
-its requests from Redis, retrying with backoff until both answer.
+requests (``queue_worker.touch``); the requests of a dead one are taken over
+(``queue_worker.claim_stale``), rebuilt from the tokens already streamed and ``adopt``ed at the
+kvstore, which keeps their blocks for a grace period, so nothing is prefilled again (if the
+blocks are gone, it recomputes). The same path serves this worker itself: at startup it takes
+back what a previous process under its id left pending (``queue_worker.claim_own``), and when it
+loses the kvstore or Redis (a timeout, a restart, a connection error) or finds the kvstore's
+state differs from its own, it drops its in-memory state, registers again (mapping the
+kvstore's new pool if it restarted), and rebuilds its requests from Redis, retrying with backoff
+until both answer.
 Beam search (``beam_width > 1``): the live beams are sequences that share blocks through fork
 (``compute.beams``); the request publishes its ``n`` best hypotheses when the search ends. Taking
 over an ``n > 1`` request adopts each unfinished branch; a beam search restarts on the prompt's
@@ -50,10 +51,11 @@ from compute.requests import Active, output_record
 from compute.runner import ModelRunner, ScheduledChunk
 from compute.sampling import RowState, sample
 from compute.scheduler import Scheduler, SchedulerConfig
-from gateway import queue
+from contracts import queue_keys, queue_worker
+from contracts.records import FinishReason, OutputRecord, RecordError, RequestRecord
 from kvstore import protocol as p
 from kvstore.client import KVClient, KVStoreError, KVStoreTimeout
-from kvstore.device import map_pool
+from kvstore.mapping import map_pool
 
 log = logging.getLogger("pagedserve.compute")
 # What a worker survives by rebuilding its state: the kvstore or Redis away, or out of step.
@@ -72,7 +74,7 @@ class Engine:
         r: redis.Redis,
         config: SchedulerConfig,
         prefill_profile: list[tuple[int, float]],
-        claim_idle_ms: int = queue.CLAIM_IDLE_MS,
+        claim_idle_ms: int = queue_keys.CLAIM_IDLE_MS,
         cuda_graph_max_batch: int = 0,
     ) -> None:
         """Registers at the kvstore, maps its pool and takes back the requests a previous
@@ -107,19 +109,17 @@ class Engine:
         reply = self.kv.call(
             p.Register(self.worker_id, self.prefill_profile, str(self.model.device), os.getpid())
         )
-        if not isinstance(reply, p.Registered):
-            raise Diverged(f"the kvstore answered Register with {type(reply).__name__}")
         if reply.pool != self._pool:
             self._map(reply.pool)
         self.scheduler = Scheduler(self.config, reply.pool.block_size)
         self.requests = Requests(self.scheduler, self._decode, self.eos_ids, self.worker_id)
         self.kvsync = KVSync(self.kv, self.worker_id, self.requests)
-        self._finals: list[queue.OutputRecord] = []  # ended requests' records, to publish
+        self._finals: list[OutputRecord] = []  # ended requests' records, to publish
         self._acks: list[str] = []  # their entries, to ack
         self._next_lease_check = 0.0
         self._missing_since: dict[str, float] = {}  # gateway -> when its key was first missed
-        queue.ensure_group(self.redis)
-        for entry_id, record in queue.claim_own(self.redis, self.worker_id, redeliver):
+        queue_worker.ensure_group(self.redis)
+        for entry_id, record in queue_worker.claim_own(self.redis, self.worker_id, redeliver):
             self._take_over(entry_id, record)
         log.info(
             "worker %s registered: %d GPU blocks (at most %d per request), block size %d; "
@@ -187,7 +187,9 @@ class Engine:
         acks = [a.entry_id for a in done] + self._acks
         self._finals, self._acks = [], []
         active = self.active
-        checked = queue.step(self.redis, records, acks, list(active), self.requests.gateways())
+        checked = queue_worker.step(
+            self.redis, records, acks, list(active), self.requests.gateways()
+        )
         self._phase("redis_out", clock)
         for req_id in checked.aborted:
             self._end(active[req_id], "abort")
@@ -221,40 +223,40 @@ class Engine:
             self._next_lease_check = time.monotonic() + self.claim_idle_ms / 4000
             self._renew_leases()
             if room > 0 and self.accepting:
-                for entry_id, record in queue.claim_stale(
+                for entry_id, record in queue_worker.claim_stale(
                     self.redis, self.worker_id, self.claim_idle_ms, room
                 ):
                     room -= self._take_over(entry_id, record)
         if room <= 0 or not self.accepting:
             return
-        for entry_id, record in queue.read_requests(self.redis, self.worker_id, room, block_ms):
+        for entry_id, record in queue_worker.read_requests(
+            self.redis, self.worker_id, room, block_ms
+        ):
             self.requests.start(entry_id, record)
 
     def _renew_leases(self) -> None:
-        """Keeps other workers from taking over this one's requests (``queue.touch``); stops
+        """Keeps other workers from taking over this one's requests (``queue_worker.touch``); stops
         working on those another worker took over meanwhile."""
         entries = {a.entry_id: a for a in self.active.values()}
-        lost = set(entries) - set(queue.touch(self.redis, self.worker_id, list(entries)))
+        lost = set(entries) - set(queue_worker.touch(self.redis, self.worker_id, list(entries)))
         for entry_id in lost:
             log.warning(
                 "request %s was taken over by another worker", entries[entry_id].record.req_id
             )
             self.kvsync.frees += self.requests.remove(entries[entry_id])
 
-    def _take_over(self, entry_id: str, record: queue.RequestRecord) -> int:
+    def _take_over(self, entry_id: str, record: RequestRecord) -> int:
         """A request whose worker died (or this one before it lost track of it): continue it
         from the tokens it already streamed, on the kvstore's blocks if they are still there
         (``adopt``). Returns 1 if it became active."""
         try:
-            streamed = queue.read_streamed(self.redis, record.req_id)
-        except queue.RecordError as err:  # its output is unreadable: it cannot go on
-            failed = queue.OutputRecord(
-                record.req_id, finish_reason="error", error=str(err), final=True
-            )
-            queue.step(self.redis, [failed], [entry_id])
+            streamed = queue_worker.read_streamed(self.redis, record.req_id)
+        except RecordError as err:  # its output is unreadable: it cannot go on
+            failed = OutputRecord(record.req_id, finish_reason="error", error=str(err), final=True)
+            queue_worker.step(self.redis, [failed], [entry_id])
             return 0
         if streamed.final:  # it finished; only the ack was lost
-            queue.ack(self.redis, [entry_id])
+            queue_worker.ack(self.redis, [entry_id])
             return 0
         counts = {i: len(seq.token_ids) for i, seq in streamed.sequences.items()}
         log.info("taking over %s after %s streamed tokens per branch", record.req_id, counts)
@@ -265,7 +267,7 @@ class Engine:
         """Output text, special tokens (BOS, PAD, ...) left out as vLLM does by default."""
         return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
 
-    def _forward_and_sample(self) -> tuple[list[queue.OutputRecord], list[Active], set[str]]:
+    def _forward_and_sample(self) -> tuple[list[OutputRecord], list[Active], set[str]]:
         """The step's forward pass and token choice. Returns the deltas, the requests that are
         done and the ids of the sequences whose KV was computed. Finished sequences go to the
         kvstore's frees, new branches to its forks."""
@@ -312,7 +314,7 @@ class Engine:
         own = {i: t for i, (_, k), t in zip(rows, owners, tokens, strict=True) if k == own_index[i]}
         for i, chunk in enumerate(chunks):
             self.scheduler.computed(chunk, own.get(i))
-        records: list[queue.OutputRecord] = []
+        records: list[OutputRecord] = []
         frees: list[str] = []
         for (active, k), token in zip(owners, tokens, strict=True):
             forked = k not in active.branches  # a new branch, forked from the first
@@ -343,7 +345,7 @@ class Engine:
             self.requests.done(active)
         return records, done, {c.seq.seq_id for c in chunks}
 
-    def _beam_round(self, active: Active, frees: list[str]) -> list[queue.OutputRecord]:
+    def _beam_round(self, active: Active, frees: list[str]) -> list[OutputRecord]:
         """Advances a beam search whose live beams all have their logits; adds the sequences
         it drops to ``frees``. Once it is done, the request's n best hypotheses."""
         beams = active.beams
@@ -364,7 +366,7 @@ class Engine:
             for k, (tokens, reason, text) in enumerate(best)
         ]
 
-    def _end(self, active: Active, reason: str, error: str | None = None) -> None:
+    def _end(self, active: Active, reason: FinishReason, error: str | None = None) -> None:
         """Ends a request before it finished (a client abort, its gateway gone, a refusal): its
         sequences are forgotten now and freed at the kvstore in the next step; its final record
         is published and its entry acked in the next Redis round trip."""

@@ -1,7 +1,7 @@
 """CUDA graphs of decode-only forwards: one per batch-size bucket, replayed with the step's data.
 
 A decode step of a small model is launch-bound: ~10 kernels per layer, each costing more host
-time than GPU time (DESIGN §7). Capturing the whole forward once per bucket and replaying it
+time than GPU time (BENCHMARKS.md). Capturing the whole forward once per bucket and replaying it
 turns hundreds of launches into one.
 
 Every captured graph reads the same static buffers (sized for the largest bucket); a replay

@@ -3,7 +3,7 @@ checkpoint directory. Every model is loaded with the paged attention function
 (``attn_implementation="paged"``, see ``compute.attention``).
 
 Tokenizers (the byte tokenizer of ``tiny``, or the checkpoint's) come from
-``pagedserve.tokenizer``, the one implementation the gateway uses too.
+``contracts.tokenizer``, the one implementation the gateway uses too.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from transformers import (
 )
 
 from compute.attention import ATTN_NAME
-from pagedserve.model_config import TINY, resolve_dtype, tiny_config
-from pagedserve.tokenizer import BOS, EOS, PAD, byte_tokenizer, load_tokenizer
+from contracts.model_config import TINY, resolve_dtype, tiny_config
+from contracts.tokenizer import BOS, EOS, PAD, byte_tokenizer, load_tokenizer
 
 __all__ = [
     "BOS",

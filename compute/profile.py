@@ -16,7 +16,7 @@ import torch
 from transformers import PreTrainedModel
 
 from compute.runner import ModelRunner, ScheduledChunk
-from pagedserve.model_config import kv_geometry
+from contracts.model_config import kv_geometry
 
 log = logging.getLogger("pagedserve.compute")
 DEFAULT_TOKENS = (16, 128, 512, 2048)

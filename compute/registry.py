@@ -15,9 +15,9 @@ from collections.abc import Sequence as Seq
 
 from compute.beams import BeamGroup
 from compute.requests import Active, Branch
-from compute.sampling import StopChecker
 from compute.scheduler import Scheduler, Sequence
-from gateway import queue
+from compute.stops import StopChecker
+from contracts.records import RequestRecord, Streamed
 
 
 class Requests:
@@ -40,7 +40,7 @@ class Requests:
         self.adopting: set[str] = set()  # sequences to adopt at the kvstore, not admit
 
     # ------------------------------------------------------------------ entering
-    def start(self, entry_id: str, record: queue.RequestRecord) -> Active:
+    def start(self, entry_id: str, record: RequestRecord) -> Active:
         """A request from its first token: its first branch, or its beam search's root."""
         seq = self.scheduler.add(record.req_id, record.prompt_token_ids)
         active = Active(entry_id, record, {})
@@ -52,9 +52,7 @@ class Requests:
             self.add_branch(active, seq, 0)
         return active
 
-    def resume_streamed(
-        self, entry_id: str, record: queue.RequestRecord, streamed: queue.Streamed
-    ) -> Active:
+    def resume_streamed(self, entry_id: str, record: RequestRecord, streamed: Streamed) -> Active:
         """A request another worker (or this one, before an outage) served: each unfinished
         branch continues from the tokens it streamed, to be adopted at the kvstore. A beam
         search (nothing streamed until it ends) or a request that streamed nothing starts again,

@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from compute.beams import BeamGroup
-from compute.sampling import StopChecker
 from compute.scheduler import SeqStatus, Sequence
-from gateway import queue
+from compute.stops import StopChecker
+from contracts.records import FinishReason, OutputRecord, RequestRecord
 
 
 @dataclass
@@ -29,7 +29,7 @@ class Active:
     after the prompt), or its beam search."""
 
     entry_id: str
-    record: queue.RequestRecord
+    record: RequestRecord
     branches: dict[int, Branch]  # by index (< n)
     live: int = 1  # branches not finished
     cached_tokens: int = 0
@@ -50,20 +50,19 @@ def output_record(
     active: Active,
     index: int,
     tokens: list[int],
-    reason: str | None,
+    reason: FinishReason | None,
     final: bool,
     text: str = "",
     offset: int = 0,
     error: str | None = None,
-) -> queue.OutputRecord:
+) -> OutputRecord:
     """One delta of sequence ``index`` (``offset``: its tokens before these); ``final`` ends
     the request."""
-    return queue.OutputRecord(
+    return OutputRecord(
         active.record.req_id,
         index,
         tokens,
-        None,
-        reason,  # type: ignore[arg-type]
+        reason,
         error=error,
         prompt_tokens=len(active.record.prompt_token_ids),
         cached_tokens=active.cached_tokens,

@@ -18,7 +18,7 @@ from transformers import PreTrainedModel
 
 from compute.attention import ATTN_NAME, PagedBatch, copy_blocks_inplace
 from compute.graphs import DecodeGraphs
-from pagedserve.model_config import kv_geometry
+from contracts.model_config import kv_geometry
 
 __all__ = ["ModelRunner", "ScheduledChunk"]
 

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 import redis
 
 from compute.scheduler import SchedulerConfig
-from gateway import queue
-from kvstore.daemon import DEFAULT_ENDPOINT
+from contracts import queue_keys
+from contracts.endpoints import DEFAULT_ENDPOINT
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -53,7 +53,7 @@ class ComputeConfig:
         metadata={"help": "Redis holding the request queue and output streams"},
     )
     claim_idle_ms: int = field(
-        default=queue.CLAIM_IDLE_MS,
+        default=queue_keys.CLAIM_IDLE_MS,
         metadata={
             "help": "a request whose worker has not renewed its claim this long is taken "
             "over by another worker (live workers renew every quarter of it)"
@@ -81,8 +81,8 @@ def run(config: ComputeConfig, scheduling: SchedulerConfig) -> None:
     )
     from compute.models import load_model
     from compute.profile import measure_prefill
+    from contracts.model_config import resolve_device
     from kvstore.client import KVClient
-    from kvstore.daemon import resolve_device
 
     worker_id = config.worker_id or f"{socket.gethostname()}-{os.getpid()}"
     model, tokenizer = load_model(config.model, config.dtype, resolve_device(config.device))

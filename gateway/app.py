@@ -2,10 +2,10 @@
 
 Routes: the OpenAI API (``gateway.openai_api``), ``GET /v1/models[/{id}]``, ``GET /health``,
 ``GET /metrics``, the admin API (``gateway.admin``). ``/v1/*`` needs the API key when one is set
-(``--api-key`` or ``PAGEDSERVE_API_KEY``). Requests go to Redis (``gateway.queue``), the kvstore
-is asked only for health, capacity, metrics and the admin API. The server runs with aiohttp's
-handler cancellation on, so a client that disconnects cancels its handler, which aborts its
-request (``Generation.close``). On SIGINT/SIGTERM it closes its listening socket, answers new
+(``--api-key`` or ``PAGEDSERVE_API_KEY``). Requests go to Redis (``contracts.queue_gateway``), the
+kvstore is asked only for health, capacity, metrics and the admin API. The server runs with
+aiohttp's handler cancellation on, so a client that disconnects cancels its handler, which aborts
+its request (``Generation.close``). On SIGINT/SIGTERM it closes its listening socket, answers new
 requests on open connections with 503, lets requests in flight finish for exactly
 ``--shutdown-timeout-s``, then cuts the rest (error event and [DONE], or 503) and exits.
 """

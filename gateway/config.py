@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvstore.daemon import DEFAULT_ENDPOINT
+from contracts.endpoints import DEFAULT_ENDPOINT
 
 ADMIN_TOKEN_ENV = "PAGEDSERVE_ADMIN_TOKEN"
 API_KEY_ENV = "PAGEDSERVE_API_KEY"

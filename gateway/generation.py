@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 
 import redis.asyncio
 
-from gateway import queue
+from contracts import queue_gateway
+from contracts.records import OutputRecord, RequestRecord
 from gateway.errors import APIError
 from gateway.metrics import Metrics
 from gateway.prepare import ModelInfo, Prepared
@@ -107,7 +108,7 @@ class Generation:
     prompts: list[_Prompt] = field(default_factory=list)
     _first_token: bool = False
     _closed: bool = False
-    _inbox: asyncio.Queue[tuple[int, queue.OutputRecord | Exception]] = field(
+    _inbox: asyncio.Queue[tuple[int, OutputRecord | Exception]] = field(
         default_factory=asyncio.Queue
     )
 
@@ -125,21 +126,18 @@ class Generation:
         for i, prompt in enumerate(self.prompts):
             sink = functools.partial(lambda i, item: inbox.put_nowait((i, item)), i)
             self.router.add(prompt.req_id, sink)
-        now = time.time()
         records = [
-            queue.RequestRecord(
+            RequestRecord(
                 prompt.req_id,
                 prompt.token_ids,
                 self.request.params,
                 self.model.name,
-                now,
-                self.request.salt,
-                self.request.priority,
-                self.gateway_id,
+                salt=self.request.salt,
+                gateway=self.gateway_id,
             )
             for prompt in self.prompts
         ]
-        submits = [queue.submit(self.r, rec) for rec in records]
+        submits = [queue_gateway.submit(self.r, rec) for rec in records]
         _, entry_ids = await asyncio.gather(self.router.wake(), asyncio.gather(*submits))
         for prompt, entry_id in zip(self.prompts, entry_ids, strict=True):
             self.router.submitted(prompt.req_id, entry_id)
@@ -196,11 +194,11 @@ class Generation:
     async def _abort(self, req_ids: list[str]) -> None:
         try:
             for req_id in req_ids:
-                await queue.abort(self.r, req_id)
+                await queue_gateway.abort(self.r, req_id)
         except redis.asyncio.RedisError as err:  # its gateway's liveness ends it at worst
             log.warning("could not abort %s: %s", req_ids, err)
 
-    async def _records(self) -> AsyncIterator[tuple[int, queue.OutputRecord | None]]:
+    async def _records(self) -> AsyncIterator[tuple[int, OutputRecord | None]]:
         """(prompt index, record) from every prompt's output stream (``submit`` subscribed),
         merged as they come, until each prompt's final record; (-1, None) after each
         ``keepalive_s`` without a record."""
@@ -225,7 +223,7 @@ class Generation:
                 raise GenerationError(APIError(503, message, code="redis_unavailable")) from item
             yield i, item
 
-    def _apply(self, prompt: _Prompt, record: queue.OutputRecord) -> list[Delta]:
+    def _apply(self, prompt: _Prompt, record: OutputRecord) -> list[Delta]:
         prompt.cached_tokens = record.cached_tokens
         prompt.final = prompt.final or record.final
         if record.finish_reason == "error":
@@ -246,7 +244,7 @@ class Generation:
         return deltas
 
     @staticmethod
-    def _end_all(prompt: _Prompt, record: queue.OutputRecord) -> list[Delta]:
+    def _end_all(prompt: _Prompt, record: OutputRecord) -> list[Delta]:
         """A final record (an abort of the whole request) ends every sequence still going."""
         deltas = []
         for seq in prompt.sequences:

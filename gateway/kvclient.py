@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from typing import overload
 
 import zmq
 import zmq.asyncio
 
+from contracts.endpoints import env_token
 from kvstore import protocol as p
-from kvstore.client import KVStoreError, KVStoreTimeout
-from kvstore.security import env_token
+from kvstore.client import KVStoreError, KVStoreTimeout, expect_reply
 
 __all__ = ["AsyncKVClient", "KVStoreError", "KVStoreTimeout"]
 
@@ -33,9 +34,24 @@ class AsyncKVClient:
         self._ids = itertools.count(1)
         self._lock = asyncio.Lock()
 
+    @overload
+    async def call(self, body: p.Register, timeout_s: float | None = None) -> p.Registered: ...
+    @overload
+    async def call(
+        self, body: p.Heartbeat | p.Unregister, timeout_s: float | None = None
+    ) -> p.Ack: ...
+    @overload
+    async def call(self, body: p.Step, timeout_s: float | None = None) -> p.StepReply: ...
+    @overload
+    async def call(self, body: p.GetStats, timeout_s: float | None = None) -> p.Stats: ...
+    @overload
+    async def call(self, body: p.ResetCache, timeout_s: float | None = None) -> p.CacheReset: ...
+    @overload
+    async def call(self, body: p.Ping, timeout_s: float | None = None) -> p.Pong: ...
     async def call(self, body: p.Request, timeout_s: float | None = None) -> p.ReplyBody:
-        """The reply body to ``body``; raises KVStoreError on an Error reply, KVStoreTimeout
-        when none comes within ``timeout_s`` (default: the client's)."""
+        """The reply to ``body`` (``p.REPLY_OF``); raises KVStoreError on an Error reply or a
+        reply of another kind, KVStoreTimeout when none comes within ``timeout_s`` (default: the
+        client's)."""
         timeout = self.timeout_s if timeout_s is None else timeout_s
         async with self._lock:
             call_id = next(self._ids)
@@ -44,20 +60,15 @@ class AsyncKVClient:
             deadline = loop.time() + timeout
             while True:
                 remaining_ms = int(max(deadline - loop.time(), 0) * 1000)
-                if not remaining_ms or not await self._sock.poll(remaining_ms, zmq.POLLIN):
+                if not remaining_ms or not await self._sock.poll(remaining_ms):  # POLLIN
                     raise KVStoreTimeout(f"no reply from {self.endpoint} in {timeout} s")
                 reply = p.decode_reply(await self._sock.recv())
                 if reply.call_id in (call_id, 0):
                     break
-        if isinstance(reply.body, p.Error):
-            raise KVStoreError(reply.body.code, reply.body.message)
-        return reply.body
+        return expect_reply(body, reply.body)
 
     async def stats(self, top_prefixes: int = 10) -> p.Stats:
-        reply = await self.call(p.GetStats(top_prefixes))
-        if not isinstance(reply, p.Stats):
-            raise KVStoreError("bad_reply", f"GetStats answered {type(reply).__name__}")
-        return reply
+        return await self.call(p.GetStats(top_prefixes))
 
     def close(self) -> None:
         self._sock.close()

@@ -26,10 +26,10 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from contracts.records import SamplingParams
 from gateway.config import GatewayConfig
 from gateway.errors import bad_request
 from gateway.limits import KVCapacity, Limits, beam_width_of
-from gateway.queue import SamplingParams
 from gateway.schemas import ChatRequest, CompletionRequest
 
 MAX_PROMPTS = 256  # prompts in one completions request
@@ -53,8 +53,8 @@ class ModelInfo:
 
     @classmethod
     def load(cls, config: GatewayConfig) -> ModelInfo:
-        from pagedserve.model_config import load_config
-        from pagedserve.tokenizer import load_tokenizer
+        from contracts.model_config import load_config
+        from contracts.tokenizer import load_tokenizer
 
         model_config = load_config(config.model)
         text = getattr(model_config, "get_text_config", lambda: model_config)()
@@ -79,7 +79,6 @@ class Prepared:
     stream: bool
     include_usage: bool
     salt: bytes | None
-    priority: int
     echo_texts: list[str] | None = None  # completions with echo: the prompts' text
 
 
@@ -176,7 +175,7 @@ def _encode(model: ModelInfo, text: str, special: bool, param: str) -> list[int]
 
 
 def _decode(model: ModelInfo, ids: list[int]) -> str:
-    return model.tokenizer.decode(ids, skip_special_tokens=True)
+    return str(model.tokenizer.decode(ids, skip_special_tokens=True))
 
 
 def _chat_prompt(req: ChatRequest, model: ModelInfo) -> list[int]:
@@ -194,12 +193,12 @@ def _chat_prompt(req: ChatRequest, model: ModelInfo) -> list[int]:
         text = "".join(f"{m['role']}: {m['content']}\n" for m in conversation) + "assistant:"
         return _encode(model, text, True, "messages")
     try:
-        text = tokenizer.apply_chat_template(
+        rendered = tokenizer.apply_chat_template(
             conversation, add_generation_prompt=True, tokenize=False
         )
     except Exception as err:  # jinja2 raises TemplateError for what the template refuses
         raise bad_request(f"the chat template refused the messages: {err}", "messages") from err
-    return _encode(model, str(text), False, "messages")
+    return _encode(model, str(rendered), False, "messages")
 
 
 def _content(content: Any, i: int) -> str:
@@ -259,7 +258,8 @@ def _prepared(
     if beam and stops:
         raise bad_request("stop strings do not apply to beam search", "stop", "unsupported")
     stop_ids = _check_ids(list(req.stop_token_ids or []), model, "stop_token_ids")
-    priority = _in_range(req.priority, 0, "priority", -_INT32, _INT32 - 1)
+    if req.priority:  # accepted but ignored would be a lie: not until it is implemented
+        raise bad_request("priority is not supported", "priority", "unsupported_parameter")
     params = SamplingParams(
         max_tokens=max_tokens,
         temperature=temperature,
@@ -285,7 +285,6 @@ def _prepared(
         stream=bool(req.stream),
         include_usage=bool(req.stream and options and options.include_usage),
         salt=salt,
-        priority=priority,
         echo_texts=echo_texts,
     )
 

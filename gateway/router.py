@@ -1,14 +1,14 @@
 """One reader for every output stream this gateway process is waiting on.
 
-``OutputRouter.run`` loops on ``queue.read_outputs``: one blocking XREAD over all subscribed
+``OutputRouter.run`` loops on ``queue_gateway.read_outputs``: one blocking XREAD over all subscribed
 requests' streams, so a worker step that publishes deltas for 200 requests costs the gateway one
 or two round trips, not 200, and one Redis connection, not one per request. A new subscription
-wakes the XREAD (``queue.wake``) so its stream joins at once. Each record goes to its
+wakes the XREAD (``queue_gateway.wake``) so its stream joins at once. Each record goes to its
 subscriber's callback; after a request's final record it is dropped.
 
 If Redis fails, the loop retries (every ``RETRY_S``) and the subscribers wait: when Redis comes
 back within ``outage_s`` (restarted with its append-only file), reading goes on from each
-stream's cursor, except for the requests Redis no longer knows (``queue.missing``: lost with
+stream's cursor, except for the requests Redis no longer knows (``queue_gateway.missing``: lost with
 writes it had not persisted), whose subscribers get an error. Past ``outage_s``, every
 subscriber gets the exception (their requests fail).
 """
@@ -25,11 +25,12 @@ from dataclasses import dataclass
 import redis
 import redis.asyncio
 
-from gateway import queue
+from contracts import queue_gateway
+from contracts.records import OutputRecord
 
 log = logging.getLogger("pagedserve.gateway")
 
-Sink = Callable[[queue.OutputRecord | Exception], None]
+Sink = Callable[[OutputRecord | Exception], None]
 RETRY_S = 0.5
 
 
@@ -80,7 +81,7 @@ class OutputRouter:
         (one wake per XREAD is enough)."""
         if not self._woken:
             self._woken = True
-            await queue.wake(self.r, self.reader)
+            await queue_gateway.wake(self.r, self.reader)
 
     def submitted(self, req_id: str, entry_id: str) -> None:
         """``req_id`` was queued as ``entry_id`` (checked for after a Redis outage)."""
@@ -112,7 +113,7 @@ class OutputRouter:
             try:
                 if down_since is not None:
                     await self._drop_lost()
-                records, self._wake_cursor = await queue.read_outputs(
+                records, self._wake_cursor = await queue_gateway.read_outputs(
                     self.r, cursors, self.reader, self._wake_cursor, self.block_ms
                 )
             except redis.RedisError as err:
@@ -156,7 +157,7 @@ class OutputRouter:
     async def _drop_lost(self) -> None:
         """After an outage: the subscriptions whose request Redis lost get an error."""
         submitted = {req_id: sub.entry_id for req_id, sub in self._subs.items() if sub.entry_id}
-        for req_id in await queue.missing(self.r, submitted):
+        for req_id in await queue_gateway.missing(self.r, submitted):
             sub = self._subs.pop(req_id, None)
             if sub is not None:
                 log.warning("request %s was lost by a redis restart", req_id)

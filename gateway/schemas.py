@@ -46,7 +46,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
     beam_width: int | None = None  # default: best_of, else n
     length_penalty: float | None = None
     cache_salt: str | None = None  # only requests with the same salt share prefix-cache blocks
-    priority: int | None = None  # lower is served first among one worker's requests
+    priority: int | None = None  # only 0 (vLLM's default): scheduling by priority is not built
 
 
 class CompletionRequest(_Sampling, kw_only=True):

@@ -25,7 +25,7 @@ from aiohttp import web
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
-from gateway import queue
+from contracts import queue_gateway, queue_keys
 from gateway.config import GatewayConfig
 from gateway.errors import APIError
 from gateway.generation import Generation
@@ -103,7 +103,7 @@ class AppState:
         housekeeping.cancel()
         await self._router.stop(reader)
         with contextlib.suppress(redis.RedisError):
-            await queue.drop_gateway(self._redis, self.gateway_id)
+            await queue_gateway.drop_gateway(self._redis, self.gateway_id)
         await self._redis.aclose()
         await pool.aclose()
         self._kv.close()
@@ -120,7 +120,9 @@ class AppState:
         """Renews the liveness key and reads the kvstore's capacity; either may fail (Redis or
         the kvstore away): it is tried again next time."""
         try:
-            await queue.renew_gateway(self.redis, self.gateway_id, self.config.liveness_ttl_s)
+            await queue_gateway.renew_gateway(
+                self.redis, self.gateway_id, self.config.liveness_ttl_s
+            )
         except redis.RedisError as err:
             log.warning("cannot renew the gateway's liveness in Redis: %s", err)
         try:
@@ -173,7 +175,7 @@ class AppState:
         ``QUEUE_LENGTH_TTL_S`` unless ``fresh``."""
         now = time.monotonic()
         if fresh or now - self._queue_length_at > QUEUE_LENGTH_TTL_S:
-            self._queue_length = int(await self.redis.xlen(queue.REQUEST_STREAM))
+            self._queue_length = int(await self.redis.xlen(queue_keys.REQUEST_STREAM))
             self._queue_length_at = now
         return self._queue_length
 

@@ -1,18 +1,44 @@
-"""Small Triton device helpers shared by the attention kernels."""
+"""Small Triton device helpers shared by the attention kernels, and ``jit`` (``triton.jit`` with a
+type: triton ships no annotations, so mypy would see every kernel as an untyped ``Any``).
+
+Parameters of ``@jit`` functions are annotated ``tl.tensor`` (a runtime argument: a pointer or a
+scalar, specialised exactly as without an annotation) or ``tl.constexpr`` (a compile-time
+constant); triton reads only the ``constexpr`` ones.
+"""
 
 from __future__ import annotations
 
-import os
+from collections.abc import Callable
+from typing import Any, Protocol, cast
 
 import triton
 import triton.language as tl
 
-# True when kernels run in Triton's CPU interpreter (CI); read at launch time
-INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
+__all__ = ["Kernel", "jit", "load_rows", "mma"]
 
 
-@triton.jit
-def load_rows(ptrs, row_mask, d_mask, USE_ROW_MASK: tl.constexpr, EVEN_D: tl.constexpr):
+class Kernel(Protocol):
+    """A ``triton.jit`` function: launched from the host as ``kernel[grid](*args, **meta)``,
+    called from another kernel as ``kernel(*args)``."""
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., object]: ...
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
+def jit(fn: Callable[..., object]) -> Kernel:
+    """``@triton.jit``, typed."""
+    return cast(Kernel, triton.jit(fn))
+
+
+@jit
+def load_rows(
+    ptrs: tl.tensor,
+    row_mask: tl.tensor,
+    d_mask: tl.tensor,
+    USE_ROW_MASK: tl.constexpr,
+    EVEN_D: tl.constexpr,
+) -> tl.tensor:
     """Load a [rows, D_PAD] tile; masked-out elements read 0. Masks are only emitted when needed
     so that full tiles keep 16-byte vector loads."""
     if USE_ROW_MASK:
@@ -28,8 +54,8 @@ def load_rows(ptrs, row_mask, d_mask, USE_ROW_MASK: tl.constexpr, EVEN_D: tl.con
     return x
 
 
-@triton.jit
-def mma(a, b, UPCAST: tl.constexpr):
+@jit
+def mma(a: tl.tensor, b: tl.tensor, UPCAST: tl.constexpr) -> tl.tensor:
     """tl.dot(a, b) in fp32 accumulation. UPCAST (set only under TRITON_INTERPRET=1) multiplies
     fp32 copies instead: the interpreter's bf16 dot returns garbage (seen with triton 3.9)."""
     if UPCAST:

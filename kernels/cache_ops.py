@@ -5,31 +5,39 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
 import triton.language as tl
 
-from kernels._checks import check_cache_pair, next_pow2
+from kernels._checks import (
+    CACHE_DTYPES,
+    cdiv,
+    check_cache_pair,
+    check_dense,
+    check_index,
+    check_tensor,
+    next_pow2,
+)
+from kernels._tl_utils import jit
 
 __all__ = ["copy_blocks", "store_kv"]
 
 
-@triton.jit
+@jit
 def _store_kv_kernel(
-    key_ptr,
-    value_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    slot_ptr,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_cb,
+    key_ptr: tl.tensor,
+    value_ptr: tl.tensor,
+    k_cache_ptr: tl.tensor,
+    v_cache_ptr: tl.tensor,
+    slot_ptr: tl.tensor,
+    stride_kt: tl.tensor,
+    stride_kh: tl.tensor,
+    stride_vt: tl.tensor,
+    stride_vh: tl.tensor,
+    stride_cb: tl.tensor,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     N_ELEM: tl.constexpr,
     CHUNK: tl.constexpr,
-):
+) -> None:
     """One program per (token, chunk of kv_heads*head_dim elements)."""
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -57,29 +65,28 @@ def store_kv(
 ) -> None:
     """Write key[t]/value[t] into slot slot_mapping[t] of k_cache/v_cache (in place).
 
-    key, value: [T, kv_heads, head_dim] (last dim contiguous, any token/head strides);
-    k_cache, v_cache: [num_blocks, block_size, kv_heads, head_dim] views (inner dims contiguous);
-    slot_mapping: [T] int64, slot = block * block_size + offset, -1 = padding (skipped).
-    Slots must be distinct (two tokens writing one slot is a race).
+    key, value: [T, kv_heads, head_dim] fp16/bf16/fp32 (converted to the cache dtype), last dim
+    contiguous, any token/head strides; k_cache, v_cache: [num_blocks, block_size, kv_heads,
+    head_dim] fp16/bf16/fp32 views, inner dims contiguous (see ``check_cache_pair``);
+    slot_mapping: [T] int64, contiguous; slot = block * block_size + offset, -1 = padding
+    (skipped). Every tensor on one device. Not checked (values, no device sync): slots must be
+    below num_blocks * block_size and distinct (two tokens writing one slot is a race).
     """
-    block_size, kv_heads, head_dim = check_cache_pair(k_cache, v_cache)
-    assert key.dim() == 3 and key.shape[1:] == (kv_heads, head_dim), (
-        f"key {tuple(key.shape)} does not match cache (*, {kv_heads}, {head_dim})"
-    )
-    assert value.shape == key.shape, "key and value shapes differ"
-    assert key.stride(2) == 1 and value.stride(2) == 1, "key/value last dim must be contiguous"
-    assert slot_mapping.dim() == 1 and slot_mapping.shape[0] == key.shape[0], (
-        f"slot_mapping must be [{key.shape[0]}], got {tuple(slot_mapping.shape)}"
-    )
-    assert slot_mapping.dtype == torch.int64, "slot_mapping must be int64"
-    for t in (value, k_cache, slot_mapping):
-        assert t.device == key.device, "all tensors must be on one device"
+    block_size, kv_heads, head_dim = check_cache_pair(k_cache, v_cache, CACHE_DTYPES)
+    device = k_cache.device
+    dims = "[T, kv_heads, head_dim]"
+    check_tensor("key", key, dims, (None, kv_heads, head_dim), CACHE_DTYPES, device, "k_cache")
+    check_dense("key", key, 2, "contiguous along head_dim")
     n_tokens = key.shape[0]
+    shape = (n_tokens, kv_heads, head_dim)
+    check_tensor("value", value, dims, shape, (key.dtype,), device, "k_cache", "key")
+    check_dense("value", value, 2, "contiguous along head_dim")
+    check_index("slot_mapping", slot_mapping, "[T]", n_tokens, torch.int64, device, "k_cache")
     if n_tokens == 0:
         return
     n_elem = kv_heads * head_dim
     chunk = min(next_pow2(n_elem), 2048)
-    grid = (n_tokens, triton.cdiv(n_elem, chunk))
+    grid = (n_tokens, cdiv(n_elem, chunk))
     _store_kv_kernel[grid](
         key,
         value,
@@ -99,15 +106,15 @@ def store_kv(
     )
 
 
-@triton.jit
+@jit
 def _copy_blocks_kernel(
-    pool_ptr,
-    src_ptr,
-    dst_ptr,
-    stride_block,
+    pool_ptr: tl.tensor,
+    src_ptr: tl.tensor,
+    dst_ptr: tl.tensor,
+    stride_block: tl.tensor,
     BLOCK_NUMEL: tl.constexpr,
     CHUNK: tl.constexpr,
-):
+) -> None:
     """One program per (pair, chunk of CHUNK elements of a block)."""
     i = tl.program_id(0)
     src = tl.load(src_ptr + i).to(tl.int64)
@@ -121,22 +128,23 @@ def _copy_blocks_kernel(
 def copy_blocks(pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
     """pool[dst[i]] = pool[src[i]] for every i: whole blocks, every layer, K and V (in place).
 
-    pool: [num_blocks, num_layers, 2, block_size, kv_heads, head_dim], each block contiguous;
-    src, dst: [N] int64. No dst may repeat or appear in src (copy-on-write targets are fresh
-    blocks); otherwise the result depends on program order.
+    pool: [num_blocks, num_layers, 2, block_size, kv_heads, head_dim] fp16/bf16/fp32, each block
+    contiguous (any block stride); src, dst: [N] int64, contiguous, on the pool's device. Not
+    checked (values, no device sync): ids below num_blocks, no dst repeated or in src
+    (copy-on-write targets are fresh blocks); otherwise the result depends on program order.
     """
-    assert pool.dim() == 6, f"pool must be 6-d, got {tuple(pool.shape)}"
+    dims = "[num_blocks, num_layers, 2, block_size, kv_heads, head_dim]"
+    check_tensor("pool", pool, dims, (None,) * 6, CACHE_DTYPES)
+    check_dense("pool", pool, 1, "contiguous within a block")
+    device = pool.device
+    check_index("src", src, "[N]", None, torch.int64, device, "pool")
+    check_index("dst", dst, "[N] (src's length)", src.shape[0], torch.int64, device, "pool")
     block_numel = math.prod(pool.shape[1:])
-    inner = torch.empty(pool.shape[1:], device="meta").stride()
-    assert pool.stride()[1:] == inner, f"each block of the pool must be contiguous: {pool.stride()}"
-    assert src.dim() == 1 and src.shape == dst.shape, "src and dst must be [N]"
-    assert src.dtype == torch.int64 and dst.dtype == torch.int64, "src/dst must be int64"
-    assert src.device == pool.device and dst.device == pool.device, "tensors on different devices"
     n = src.shape[0]
     if n == 0:
         return
     chunk = min(next_pow2(block_numel), 8192)
-    grid = (n, triton.cdiv(block_numel, chunk))
+    grid = (n, cdiv(block_numel, chunk))
     _copy_blocks_kernel[grid](
         pool,
         src,

@@ -10,23 +10,32 @@ writes its normalised partial output and log-sum-exp, and a second kernel merges
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
 
-from kernels._checks import check_attention_args, next_pow2
-from kernels._tl_utils import INTERPRET, load_rows, mma
+from kernels._checks import (
+    INTERPRET,
+    cdiv,
+    check_attention_args,
+    check_block_tables,
+    check_index,
+    check_optional_int,
+    next_pow2,
+)
+from kernels._tl_utils import jit, load_rows, mma
 
 __all__ = ["choose_num_splits", "decode_config", "paged_decode", "split_plan"]
 
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
+@jit
 def _decode_step(
-    q, acc, m_i, l_i, k_ptr, v_ptr, bt_row, n0, end, head_off, qk_scale, stride_cb, stride_ct,
-    d, d_mask,
+    q: tl.tensor, acc: tl.tensor, m_i: tl.tensor, l_i: tl.tensor, k_ptr: tl.tensor,
+    v_ptr: tl.tensor, bt_row: tl.tensor, n0: tl.tensor, end: tl.tensor, head_off: tl.tensor,
+    qk_scale: tl.tensor, stride_cb: tl.tensor, stride_ct: tl.tensor, d: tl.tensor,
+    d_mask: tl.tensor,
     EVEN_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
-):  # fmt: skip
+) -> tuple[tl.tensor, tl.tensor, tl.tensor]:  # fmt: skip
     """One BLOCK_N tile of keys for the group's query rows: online-softmax update. Every tile is
     masked (an unmasked main loop measured 20-25% slower on the H200)."""
     n = n0 + tl.arange(0, BLOCK_N)
@@ -45,27 +54,27 @@ def _decode_step(
     return acc, m_new, l_i
 
 
-@triton.jit
+@jit
 def _decode_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    bt_ptr,
-    cl_ptr,
-    out_ptr,
-    part_ptr,
-    lse_ptr,
-    qk_scale,
-    tokens_per_split,
-    num_splits,
-    stride_qb,
-    stride_qh,
-    stride_cb,
-    stride_ct,
-    stride_ch,
-    stride_btb,
-    stride_ob,
-    stride_oh,
+    q_ptr: tl.tensor,
+    k_ptr: tl.tensor,
+    v_ptr: tl.tensor,
+    bt_ptr: tl.tensor,
+    cl_ptr: tl.tensor,
+    out_ptr: tl.tensor,
+    part_ptr: tl.tensor,
+    lse_ptr: tl.tensor,
+    qk_scale: tl.tensor,
+    tokens_per_split: tl.tensor,
+    num_splits: tl.tensor,
+    stride_qb: tl.tensor,
+    stride_qh: tl.tensor,
+    stride_cb: tl.tensor,
+    stride_ct: tl.tensor,
+    stride_ch: tl.tensor,
+    stride_btb: tl.tensor,
+    stride_ob: tl.tensor,
+    stride_oh: tl.tensor,
     IS_SPLIT: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
@@ -74,7 +83,7 @@ def _decode_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr,
-):
+) -> None:
     b = tl.program_id(0)
     hkv = tl.program_id(1)
     split = tl.program_id(2)
@@ -120,20 +129,20 @@ def _decode_kernel(
         tl.store(lse_ptr + row, m_i + tl.log2(l_safe), mask=g_mask)
 
 
-@triton.jit
+@jit
 def _reduce_kernel(
-    part_ptr,
-    lse_ptr,
-    cl_ptr,
-    out_ptr,
-    tokens_per_split,
-    num_splits,
-    stride_ob,
-    stride_oh,
+    part_ptr: tl.tensor,
+    lse_ptr: tl.tensor,
+    cl_ptr: tl.tensor,
+    out_ptr: tl.tensor,
+    tokens_per_split: tl.tensor,
+    num_splits: tl.tensor,
+    stride_ob: tl.tensor,
+    stride_oh: tl.tensor,
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
-):
+) -> None:
     """Merge the partial outputs of the splits a request actually used. Grid (B, q_heads)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -176,7 +185,7 @@ def choose_num_splits(
     programs = batch * kv_heads
     if 2 * programs >= 5 * num_sms:
         return 1
-    want = 1 << (triton.cdiv(4 * num_sms, programs).bit_length() - 1)  # round down to 2^k
+    want = 1 << (cdiv(4 * num_sms, programs).bit_length() - 1)  # round down to 2^k
     cap = max(1, max_context // (2 * block_n))
     return max(1, min(want, cap, 128))
 
@@ -184,12 +193,13 @@ def choose_num_splits(
 def split_plan(max_context: int, num_splits: int, block_n: int) -> tuple[int, int]:
     """(splits launched, tokens per split): equal BLOCK_N-aligned ranges over max_context,
     dropping splits that would start past it. Request b uses cdiv(context_b, tokens) of them."""
-    assert num_splits >= 1, "num_splits must be >= 1"
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     max_context = max(max_context, 1)
     if num_splits == 1:
         return 1, max_context
-    tokens = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
-    return triton.cdiv(max_context, tokens), tokens
+    tokens = cdiv(cdiv(max_context, num_splits), block_n) * block_n
+    return cdiv(max_context, tokens), tokens
 
 
 _NUM_SMS: dict[int, int] = {}
@@ -215,21 +225,22 @@ def paged_decode(
 ) -> torch.Tensor:
     """Decode attention; returns out [B, q_heads, head_dim] in query.dtype.
 
-    query: [B, q_heads, D]; k_cache, v_cache: [num_blocks, block_size, kv_heads, D] views;
-    block_tables: [B, max_blocks] int32; context_lens: [B] int32 (0 gives zeros).
-    Entries of block_tables past a request's context are never read. The split bound is
-    max_blocks * block_size, known on the host: no device sync, so the call can be graph-captured.
-    num_splits: None = heuristic (``choose_num_splits``), 1 = single-pass path.
+    query: [B, q_heads, D] fp16/bf16, last dim contiguous; k_cache, v_cache: [num_blocks,
+    block_size, kv_heads, D] views of the query's dtype (see ``check_cache_pair``); block_tables:
+    [B, max_blocks] int32, rows contiguous; context_lens: [B] int32, contiguous (0 gives zeros);
+    all on one device (``kernels._checks`` refuses anything else before launching). Not checked
+    (values, no device sync): context_lens[b] <= max_blocks * block_size and the table entries
+    it covers are blocks of the cache; entries past a request's context are never read. The
+    split bound is max_blocks * block_size, known on the host, so the call can be graph-captured.
+    num_splits: None = heuristic (``choose_num_splits``), 1 = single-pass path, else >= 1.
     """
-    block_size, q_heads, kv_heads, head_dim = check_attention_args(
-        query, k_cache, v_cache, block_tables
+    q, (block_size, q_heads, kv_heads, head_dim) = check_attention_args(
+        query, k_cache, v_cache, scale
     )
-    batch = query.shape[0]
-    assert block_tables.shape[0] == batch, "block_tables must have one row per request"
-    assert context_lens.shape == (batch,) and context_lens.dtype == torch.int32, (
-        "context_lens must be [B] int32"
-    )
-    assert context_lens.device == query.device, "context_lens on another device"
+    batch = q.shape[0]
+    check_block_tables(block_tables, batch, q.device)
+    check_index("context_lens", context_lens, "[B]", batch, torch.int32, q.device, "query")
+    check_optional_int("num_splits", num_splits, 1)
     out = torch.empty_like(query)
     if batch == 0:
         return out

@@ -12,41 +12,48 @@ stretch is masked. Decode rows (q_len 1) mix freely into the batch.
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
 
-from kernels._checks import check_attention_args, next_pow2
-from kernels._tl_utils import INTERPRET, load_rows, mma
+from kernels._checks import (
+    INTERPRET,
+    cdiv,
+    check_attention_args,
+    check_block_tables,
+    check_index,
+    check_optional_int,
+    next_pow2,
+)
+from kernels._tl_utils import jit, load_rows, mma
 
 __all__ = ["paged_prefill", "prefill_config"]
 
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
+@jit
 def _tile_step(
-    q,
-    acc,
-    m_i,
-    l_i,
-    k_ptr,
-    v_ptr,
-    bt_row,
-    n0,
-    kv_end,
-    pos,
-    head_off,
-    qk_scale,
-    stride_cb,
-    stride_ct,
-    d,
-    d_mask,
+    q: tl.tensor,
+    acc: tl.tensor,
+    m_i: tl.tensor,
+    l_i: tl.tensor,
+    k_ptr: tl.tensor,
+    v_ptr: tl.tensor,
+    bt_row: tl.tensor,
+    n0: tl.tensor,
+    kv_end: tl.tensor,
+    pos: tl.tensor,
+    head_off: tl.tensor,
+    qk_scale: tl.tensor,
+    stride_cb: tl.tensor,
+    stride_ct: tl.tensor,
+    d: tl.tensor,
+    d_mask: tl.tensor,
     MASKED: tl.constexpr,
     EVEN_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr,
-):
+) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
     """One BLOCK_N tile of keys: online-softmax update of (acc, m_i, l_i)."""
     n = n0 + tl.arange(0, BLOCK_N)
     n_mask = n < kv_end
@@ -69,26 +76,26 @@ def _tile_step(
     return acc, m_new, l_i
 
 
-@triton.jit
+@jit
 def _prefill_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    bt_ptr,
-    cu_ptr,
-    cl_ptr,
-    out_ptr,
-    qk_scale,
-    kv_heads,
-    num_m_tiles,
-    stride_qt,
-    stride_qh,
-    stride_cb,
-    stride_ct,
-    stride_ch,
-    stride_btb,
-    stride_ot,
-    stride_oh,
+    q_ptr: tl.tensor,
+    k_ptr: tl.tensor,
+    v_ptr: tl.tensor,
+    bt_ptr: tl.tensor,
+    cu_ptr: tl.tensor,
+    cl_ptr: tl.tensor,
+    out_ptr: tl.tensor,
+    qk_scale: tl.tensor,
+    kv_heads: tl.tensor,
+    num_m_tiles: tl.tensor,
+    stride_qt: tl.tensor,
+    stride_qh: tl.tensor,
+    stride_cb: tl.tensor,
+    stride_ct: tl.tensor,
+    stride_ch: tl.tensor,
+    stride_btb: tl.tensor,
+    stride_ot: tl.tensor,
+    stride_oh: tl.tensor,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
@@ -96,7 +103,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr,
-):
+) -> None:
     """Grid (B * kv_heads, num_m_tiles); tiles with the most keys are scheduled first."""
     b = tl.program_id(0) // kv_heads
     hkv = tl.program_id(0) % kv_heads
@@ -214,24 +221,24 @@ def paged_prefill(
 ) -> torch.Tensor:
     """Causal attention of packed chunks over their paged context; out [T, q_heads, D].
 
-    query: [T, q_heads, D] packed (rows past cu_seqlens_q[-1] are left unwritten);
-    k_cache, v_cache: [num_blocks, block_size, kv_heads, D] views; block_tables: [B, max_blocks]
-    int32; cu_seqlens_q: [B+1] int32; context_lens: [B] int32, each >= that request's q_len and
-    counting the chunk's own tokens (already stored). max_query_len: largest q_len in the batch;
-    None reads it from cu_seqlens_q (one device sync).
+    query: [T, q_heads, D] fp16/bf16 packed, last dim contiguous (rows past cu_seqlens_q[-1] are
+    left unwritten); k_cache, v_cache: [num_blocks, block_size, kv_heads, D] views of the
+    query's dtype (see ``check_cache_pair``); block_tables: [B, max_blocks] int32, rows
+    contiguous; cu_seqlens_q: [B+1] int32, contiguous; context_lens: [B] int32, contiguous; all
+    on one device (``kernels._checks`` refuses anything else before launching). Not checked
+    (values, no device sync): cu_seqlens_q is non-decreasing from 0 up to at most T,
+    context_lens[b] >= that request's q_len (it counts the chunk's own tokens, already stored)
+    and its blocks are in the table. max_query_len: largest q_len in the batch (a smaller one
+    leaves rows unwritten); None reads it from cu_seqlens_q (one device sync).
     """
-    block_size, q_heads, kv_heads, head_dim = check_attention_args(
-        query, k_cache, v_cache, block_tables
+    q, (block_size, q_heads, kv_heads, head_dim) = check_attention_args(
+        query, k_cache, v_cache, scale
     )
-    batch = block_tables.shape[0]
-    assert cu_seqlens_q.shape == (batch + 1,) and cu_seqlens_q.dtype == torch.int32, (
-        "cu_seqlens_q must be [B+1] int32"
-    )
-    assert context_lens.shape == (batch,) and context_lens.dtype == torch.int32, (
-        "context_lens must be [B] int32"
-    )
-    for t in (cu_seqlens_q, context_lens):
-        assert t.device == query.device, "all tensors must be on one device"
+    batch = check_block_tables(block_tables, None, q.device).shape[0]
+    device = q.device
+    check_index("cu_seqlens_q", cu_seqlens_q, "[B + 1]", batch + 1, torch.int32, device, "query")
+    check_index("context_lens", context_lens, "[B]", batch, torch.int32, device, "query")
+    check_optional_int("max_query_len", max_query_len, 0)
     out = torch.empty_like(query)
     if batch == 0 or query.shape[0] == 0:
         return out
@@ -242,7 +249,7 @@ def paged_prefill(
     group = q_heads // kv_heads
     cfg = prefill_config(head_dim, group)
     tokens_per_tile = cfg["BLOCK_M"] // group
-    num_m_tiles = triton.cdiv(max_query_len, tokens_per_tile)
+    num_m_tiles = cdiv(max_query_len, tokens_per_tile)
     _prefill_kernel[(batch * kv_heads, num_m_tiles)](
         query,
         k_cache,

@@ -1,13 +1,18 @@
 """Pure-torch references for every kernel in this package: the only oracle of tests and benchmarks.
 
+One per launcher, covering its Triton kernels: ``paged_decode_reference`` (``_decode_kernel`` and
+its split-K ``_reduce_kernel``), ``paged_prefill_reference`` (``_prefill_kernel``),
+``store_kv_reference`` (``_store_kv_kernel``), ``copy_blocks_reference``
+(``_copy_blocks_kernel``). ``gather_kv`` is their shared helper, not an oracle.
+
 Every function here computes in fp32, returns the input dtype, and never mutates its inputs
 (``store_kv_reference`` and ``copy_blocks_reference`` return new tensors). They are also the CPU
 implementation the compute worker runs, so they loop over requests, never over tokens, and use
 torch alone (importing this module must not import triton).
 
-Cache layout (see DESIGN.md): ``k_cache``/``v_cache`` are ``[num_blocks, block_size, kv_heads,
-head_dim]`` views, usually ``pool[:, layer, 0]`` / ``pool[:, layer, 1]`` of the block-major pool
-``[num_blocks, num_layers, 2, block_size, kv_heads, head_dim]``. A slot is
+Cache layout (docs/architecture.md, "The pool"): ``k_cache``/``v_cache`` are ``[num_blocks,
+block_size, kv_heads, head_dim]`` views, usually ``pool[:, layer, 0]`` / ``pool[:, layer, 1]`` of
+the block-major pool ``[num_blocks, num_layers, 2, block_size, kv_heads, head_dim]``. A slot is
 ``block_id * block_size + offset_in_block``.
 """
 

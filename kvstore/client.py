@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import itertools
 import time
+from typing import overload
 
 import zmq
 
+from contracts.endpoints import env_token
 from kvstore import protocol as p
-from kvstore.security import env_token
 
 
 class KVStoreError(Exception):
@@ -21,6 +22,17 @@ class KVStoreError(Exception):
 
 class KVStoreTimeout(Exception):
     """No reply within the timeout (the daemon is down or overloaded)."""
+
+
+def expect_reply(body: p.Request, reply: p.ReplyBody) -> p.ReplyBody:
+    """``reply`` if it is what ``body`` gets on success; else raises ``KVStoreError``."""
+    if isinstance(reply, p.Error):
+        raise KVStoreError(reply.code, reply.message)
+    expected = p.REPLY_OF[type(body)]
+    if not isinstance(reply, expected):
+        message = f"{type(body).__name__} answered with {type(reply).__name__}"
+        raise KVStoreError("bad_reply", message)
+    return reply
 
 
 class KVClient:
@@ -40,20 +52,30 @@ class KVClient:
         self._token = env_token() if token is None else token
         self.timeout_ms = int(timeout_s * 1000)
         self.spin_s = spin_s
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(endpoint)
         self._ids = itertools.count(1)
 
+    @overload
+    def call(self, body: p.Register) -> p.Registered: ...
+    @overload
+    def call(self, body: p.Heartbeat | p.Unregister) -> p.Ack: ...
+    @overload
+    def call(self, body: p.Step) -> p.StepReply: ...
+    @overload
+    def call(self, body: p.GetStats) -> p.Stats: ...
+    @overload
+    def call(self, body: p.ResetCache) -> p.CacheReset: ...
+    @overload
+    def call(self, body: p.Ping) -> p.Pong: ...
     def call(self, body: p.Request) -> p.ReplyBody:
-        """Sends ``body`` and returns the reply body; raises ``KVStoreError`` on an Error reply."""
+        """Sends ``body`` and returns its reply (``p.REPLY_OF``); raises ``KVStoreError`` on an
+        Error reply or a reply of another kind, ``KVStoreTimeout`` without one in time."""
         call_id = next(self._ids)
         frame = p.encode(p.Call(p.PROTOCOL_VERSION, call_id, body, self._token))
-        reply = self.call_raw(frame, call_id=call_id)
-        if isinstance(reply.body, p.Error):
-            raise KVStoreError(reply.body.code, reply.body.message)
-        return reply.body
+        return expect_reply(body, self.call_raw(frame, call_id=call_id).body)
 
     def call_raw(self, *frames: bytes, call_id: int | None = None) -> p.Reply:
         """Sends raw frames and waits for the reply to ``call_id`` (None: the next reply; tests
@@ -68,12 +90,14 @@ class KVClient:
         spin_until = time.perf_counter() + self.spin_s
         while time.perf_counter() < spin_until:
             try:
-                return self._sock.recv(zmq.NOBLOCK)
+                frame: bytes = self._sock.recv(zmq.NOBLOCK)
+                return frame
             except zmq.Again:
                 continue
         if not self._sock.poll(self.timeout_ms):
             raise KVStoreTimeout(f"no reply from {self.endpoint} in {self.timeout_ms} ms")
-        return self._sock.recv()
+        frame = self._sock.recv()
+        return frame
 
     def close(self) -> None:
         self._sock.close()

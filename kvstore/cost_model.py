@@ -14,9 +14,10 @@ from __future__ import annotations
 import bisect
 from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
-from typing import Literal
 
-Mode = Literal["swap", "recompute"]
+from kvstore.protocol import PreemptMode
+
+Mode = PreemptMode  # "swap" | "recompute"
 
 
 @dataclass(frozen=True)

@@ -23,14 +23,12 @@ from typing import TYPE_CHECKING
 import msgspec
 import zmq
 
+from contracts.endpoints import DEFAULT_ENDPOINT, TOKEN_ENV, env_token
 from kvstore import protocol as p
 from kvstore.manager import KVCacheManager
 from kvstore.security import (
-    TOKEN_ENV,
     EndpointError,
     check_endpoint,
-    default_endpoint,
-    env_token,
     ipc_path,
     prepare_ipc_path,
     token_matches,
@@ -41,7 +39,6 @@ if TYPE_CHECKING:
     from kvstore.device import DevicePools
 
 log = logging.getLogger("pagedserve.kvstore")
-DEFAULT_ENDPOINT = default_endpoint()  # ipc://<runtime dir>/kvstore.sock (kvstore.security)
 REFUSAL_LOG_INTERVAL_S = 10.0
 
 
@@ -124,14 +121,6 @@ class KVStoreConfig:
     log_level: str = field(default="INFO", metadata={"help": "logging level"})
 
 
-def resolve_device(device: str) -> str:
-    if device != "auto":
-        return device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 def disable_expandable_segments() -> None:
     """CUDA IPC cannot export memory from expandable segments: force them off before CUDA starts."""
     conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
@@ -145,6 +134,7 @@ def build_service(config: KVStoreConfig) -> tuple[KVService, DevicePools]:
     """Removes dead daemons' pool files, allocates the pools (the slow part: progress is logged)
     and wires the service. Raises ValueError on a flag that makes no sense (memory sizes, dtype)."""
     disable_expandable_segments()
+    from contracts.model_config import kv_geometry, load_config, resolve_device, resolve_dtype
     from kvstore.device import (
         SHM_DIR,
         DevicePools,
@@ -152,7 +142,6 @@ def build_service(config: KVStoreConfig) -> tuple[KVService, DevicePools]:
         blocks_in_gib,
         remove_stale_pool_files,
     )
-    from pagedserve.model_config import kv_geometry, load_config, resolve_dtype
 
     device = resolve_device(config.device)
     files, freed = remove_stale_pool_files()
@@ -252,7 +241,7 @@ class Daemon:
             self.ctx.term()
             hint = " (another kvstore on this port?)" if err.errno == zmq.EADDRINUSE else ""
             raise EndpointError(
-                f"cannot bind {endpoint}: {zmq.strerror(err.errno)}{hint}"
+                f"cannot bind {endpoint}: {zmq.strerror(err.errno or 0)}{hint}"
             ) from None
 
     def _bind(self) -> None:
@@ -307,7 +296,7 @@ class Daemon:
         return p.encode(p.Reply(p.PROTOCOL_VERSION, call_id, body))
 
     @staticmethod
-    def _error(call_id: int, code: str, message: str) -> bytes:
+    def _error(call_id: int, code: p.ErrorCode, message: str) -> bytes:
         return p.encode(p.Reply(p.PROTOCOL_VERSION, call_id, p.Error(code, message)))
 
     def serve_forever(self, service: KVService) -> None:

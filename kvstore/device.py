@@ -30,9 +30,10 @@ from contextlib import nullcontext
 
 import torch
 
+from contracts.model_config import KVGeometry
 from kvstore.cost_model import SwapCalibration, fit_linear
+from kvstore.mapping import map_shm, pool_shape, torch_dtype
 from kvstore.protocol import CudaIpcHandle, PoolInfo
-from pagedserve.model_config import KVGeometry
 
 log = logging.getLogger("pagedserve.kvstore")
 STAGING_BYTES = 256 << 20
@@ -40,15 +41,6 @@ GiB = 1 << 30
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "pagedserve-kv-"
 _POOL_FILE = re.compile(re.escape(SHM_PREFIX) + r"([1-9][0-9]{0,6})-.+")
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
-
-
-def pool_shape(geometry: KVGeometry, block_size: int, num_blocks: int) -> list[int]:
-    g = geometry
-    return [num_blocks, g.num_layers, 2, block_size, g.num_kv_heads, g.head_dim]
 
 
 def parse_memory(spec: str) -> tuple[float, bool]:
@@ -245,14 +237,6 @@ class DevicePools:
         )
 
 
-def map_shm(path: str, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
-    """A tensor over ``path`` in ``/dev/shm``: every process mapping it sees the same bytes."""
-    numel = 1
-    for dim in shape:
-        numel *= dim
-    return torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
-
-
 def create_shm_file(path: str, nbytes: int) -> int:
     """Creates ``path`` (which must not exist; a symlink is refused), mode 0600, ``nbytes`` long,
     and returns an open descriptor holding an exclusive ``flock`` on it: keep it open while the
@@ -313,33 +297,3 @@ def remove_stale_pool_files(directory: str = SHM_DIR) -> tuple[int, int]:
             files += 1
             freed += st.st_blocks * 512
     return files, freed
-
-
-def map_pool(info: PoolInfo) -> torch.Tensor:
-    """The pool tensor in a worker process: ``/dev/shm`` mapping or CUDA IPC rebuild."""
-    dtype = torch_dtype(info.dtype)
-    if info.kind == "shm":
-        return map_shm(info.shm_path, info.shape, dtype)
-    assert info.cuda is not None, "cuda_ipc pool without a handle"
-    h = info.cuda
-    index = _device_index_of(h.device_uuid)
-    torch.cuda._lazy_init()
-    storage = torch.UntypedStorage._new_shared_cuda(
-        index,
-        h.handle,
-        h.storage_size_bytes,
-        h.storage_offset_bytes,
-        h.ref_counter_handle,
-        h.ref_counter_offset,
-        h.event_handle or None,
-        h.event_sync_required,
-    )
-    pool = torch.empty((0,), dtype=dtype, device=f"cuda:{index}")
-    return pool.set_(storage, 0, info.shape, torch.empty(info.shape, device="meta").stride())
-
-
-def _device_index_of(device_uuid: str) -> int:
-    for i in range(torch.cuda.device_count()):
-        if str(torch.cuda.get_device_properties(i).uuid) == device_uuid:
-            return i
-    raise RuntimeError(f"GPU {device_uuid} of the KV pool is not visible to this process")

@@ -16,7 +16,7 @@ Contracts:
 from __future__ import annotations
 
 from kvstore.block_pool import BlockPool, NoFreeBlocks, SwapSpace
-from kvstore.cost_model import DecisionLog, SwapCalibration, choose
+from kvstore.cost_model import DecisionLog, Mode, SwapCalibration, choose
 from kvstore.integrity import check_integrity
 from kvstore.prefix_index import PrefixIndex, content_hash, index_key
 from kvstore.requests import (
@@ -254,14 +254,14 @@ class KVCacheManager:
     # ------------------------------------------------------------------ preemption
     def preempt(
         self, req_ids: list[str], worker: str, now: float
-    ) -> tuple[list[str], TransferPlan]:
+    ) -> tuple[list[Mode], TransferPlan]:
         """Preempts running requests, each by swap or recompute per the cost model. Returns the
         mode per request and the swap-out plan, which must run before the next manager call."""
         victims = [self._owned(req_id, worker, Status.RUNNING) for req_id in req_ids]  # all or none
         plan = TransferPlan()
         return [self._preempt_one(victim, now, plan) for victim in victims], plan
 
-    def _preempt_one(self, request: Request, now: float, plan: TransferPlan) -> str:
+    def _preempt_one(self, request: Request, now: float, plan: TransferPlan) -> Mode:
         blocks = request.block_ids
         choice = choose(
             len(blocks),

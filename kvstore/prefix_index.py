@@ -15,7 +15,8 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Literal
 
-ROOT_HASH = b"pagedserve/prefix/v1"
+from kvstore.protocol import Tier
+
 StopReason = Literal["no_entry", "evicted", "salt", "partial_block"]
 STOP_REASONS: tuple[StopReason, ...] = ("no_entry", "evicted", "salt", "partial_block")
 
@@ -46,7 +47,7 @@ class PrefixStat:
     tokens: int
     hits: int
     block: int
-    tier: str
+    tier: Tier
 
 
 @dataclass(frozen=True)
@@ -79,10 +80,6 @@ class PrefixIndex:
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._by_key
-
-    def block_of(self, key: bytes) -> int | None:
-        entry = self._by_key.get(key)
-        return None if entry is None else entry.block
 
     def key_of_block(self, block: int) -> bytes | None:
         return self._by_block.get(block)
@@ -160,7 +157,7 @@ class PrefixIndex:
         self._evicted.clear()
         return blocks
 
-    def top_prefixes(self, limit: int, tier: str = "gpu") -> list[PrefixStat]:
+    def top_prefixes(self, limit: int, tier: Tier = "gpu") -> list[PrefixStat]:
         """The most reused prefixes: entries with hits, each the deepest block of its chain with
         that hit count (a 2048-token prefix hit 99 times is one row, not 128), by hits x tokens."""
         dominated: set[bytes] = set()

@@ -9,9 +9,28 @@ No pickle anywhere. Torch-free.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 
-PROTOCOL_VERSION = 2  # 2: Call.token
+PROTOCOL_VERSION = 2  # 2: Call.token; the wire's codes and kinds are closed sets (Literal)
+
+PoolKind = Literal["shm", "cuda_ipc"]
+ErrorCode = Literal["bad_message", "version", "unauthorized", "unknown_worker", "internal"]
+ItemOp = Literal["cost", "fork", "free", "preempt", "append", "resume", "admit"]
+ItemCode = Literal[
+    "no_space",  # not now: the request waits (for an append, the worker preempts)
+    "too_large",  # never: more blocks than the pool can give one request
+    "unknown_request",
+    "duplicate_request",
+    "not_owner",
+    "wrong_state",
+    "conflict",  # an adopt of a request that a live worker still holds
+    "bad_argument",
+]
+PreemptMode = Literal["swap", "recompute"]
+RequestStatus = Literal["running", "swapped", "dropped"]
+Tier = Literal["gpu", "cpu"]
 
 
 class _Msg(msgspec.Struct, array_like=True, forbid_unknown_fields=True, tag=True):
@@ -41,7 +60,7 @@ class PoolInfo(_Item):
     """How a worker maps the pool: ``shm_path`` (CPU) or ``cuda`` (CUDA IPC), and its geometry.
     Layout: ``[num_blocks, num_layers, 2 (K, V), block_size, num_kv_heads, head_dim]``."""
 
-    kind: str  # "shm" | "cuda_ipc"
+    kind: PoolKind
     shape: list[int]
     dtype: str
     block_size: int
@@ -147,7 +166,7 @@ Request = Register | Heartbeat | Unregister | Step | GetStats | ResetCache | Pin
 
 class Call(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     """The envelope of every call. ``token``: the shared secret of a daemon started with
-    ``$PAGEDSERVE_KVSTORE_TOKEN`` set (``kvstore.security.TOKEN_ENV``); such a daemon answers
+    ``$PAGEDSERVE_KVSTORE_TOKEN`` set (``contracts.endpoints.TOKEN_ENV``); such a daemon answers
     ``Error("unauthorized")`` to a call whose token differs, and changes nothing."""
 
     version: int
@@ -161,7 +180,7 @@ class Error(_Msg):
     """``code``: bad_message | version | unauthorized (the call's token is missing or wrong) |
     unknown_worker | internal."""
 
-    code: str
+    code: ErrorCode
     message: str
 
 
@@ -206,13 +225,13 @@ class ItemError(_Item):
     unknown_request | duplicate_request | not_owner | wrong_state | conflict | bad_argument."""
 
     req_id: str
-    op: str
-    code: str
+    op: ItemOp
+    code: ItemCode
     message: str
 
 
 class StepReply(_Msg):
-    preempted: list[tuple[str, str]] = []  # (req_id, "swap" | "recompute")
+    preempted: list[tuple[str, PreemptMode]] = []  # (req_id, how)
     resumed: list[Placed] = []
     forked: list[Placed] = []
     admitted: list[Placed] = []
@@ -232,13 +251,13 @@ class PrefixRow(_Item):
     tokens: int
     hits: int
     block: int
-    tier: str
+    tier: Tier
 
 
 class RequestRow(_Item):
     req_id: str
     worker: str
-    status: str
+    status: RequestStatus
     tokens: int
     num_computed: int
     gpu_blocks: int
@@ -252,7 +271,7 @@ class DecisionRow(_Item):
     id: int
     req_id: str
     at: float
-    mode: str
+    mode: PreemptMode
     reason: str
     blocks: int
     tokens: int
@@ -306,6 +325,17 @@ class Pong(_Msg):
 
 
 ReplyBody = Error | Ack | Registered | StepReply | Stats | CacheReset | Pong
+
+# The reply each request gets when it succeeds (else an Error); the clients check it.
+REPLY_OF: dict[type[Request], type[ReplyBody]] = {
+    Register: Registered,
+    Heartbeat: Ack,
+    Unregister: Ack,
+    Step: StepReply,
+    GetStats: Stats,
+    ResetCache: CacheReset,
+    Ping: Pong,
+}
 
 
 class Reply(msgspec.Struct, array_like=True, forbid_unknown_fields=True):

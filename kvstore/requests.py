@@ -10,11 +10,13 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import NamedTuple
 
+from kvstore.protocol import ItemCode
+
 
 class KVError(Exception):
-    """A per-request failure; ``code`` is one of the protocol's error codes."""
+    """A per-request failure; ``code`` is one of the protocol's item error codes."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: ItemCode, message: str) -> None:
         super().__init__(message)
         self.code = code
 

@@ -1,13 +1,15 @@
-"""Who may call the kvstore, and where it listens. Torch-free: every client imports it.
+"""Who may call the kvstore, and where it listens: the daemon's side. Torch-free.
 
-- **Token**: ``$PAGEDSERVE_KVSTORE_TOKEN`` (``TOKEN_ENV``) is a shared secret. A daemon started
-  with it set answers ``Error("unauthorized")`` to every call whose ``Call.token`` differs;
-  clients send the one in their own environment. Never on a command line, never logged.
-- **Endpoints**: the default is ``ipc://<runtime dir>/kvstore.sock`` (``default_endpoint``), a
-  socket file only this user can open. Any endpoint other than a socket file (``tcp://``, an
-  abstract ``ipc://@name``) is reachable by others, so the daemon binds one only with a token
-  (``check_endpoint``). Before binding an ipc path, ``prepare_ipc_path`` makes its directory
-  private and tells a live daemon's socket (refuse) from a dead one's (remove).
+- **Token**: ``$PAGEDSERVE_KVSTORE_TOKEN`` (``contracts.endpoints.TOKEN_ENV``) is a shared
+  secret. A daemon started with it set answers ``Error("unauthorized")`` to every call whose
+  ``Call.token`` differs; clients send the one in their own environment. Never on a command
+  line, never logged.
+- **Endpoints**: the default is ``ipc://<runtime dir>/kvstore.sock``
+  (``contracts.endpoints.default_endpoint``), a socket file only this user can open. Any endpoint
+  other than a socket file (``tcp://``, an abstract ``ipc://@name``) is reachable by others, so the
+  daemon binds one only with a token (``check_endpoint``). Before binding an ipc path,
+  ``prepare_ipc_path`` makes its directory private and tells a live daemon's socket (refuse) from a
+  dead one's (remove).
 """
 
 from __future__ import annotations
@@ -17,15 +19,12 @@ import hmac
 import os
 import socket
 import stat
-import tempfile
-from collections.abc import Mapping
 
 import zmq
 
+from contracts.endpoints import TOKEN_ENV, runtime_dir
 from kvstore import protocol as p
 
-TOKEN_ENV = "PAGEDSERVE_KVSTORE_TOKEN"
-SOCKET_NAME = "kvstore.sock"
 PING_TIMEOUT_S = 1.0
 
 
@@ -33,35 +32,9 @@ class EndpointError(Exception):
     """The daemon must not serve on this endpoint; the message is one line for the operator."""
 
 
-def env_token(environ: Mapping[str, str] | None = None) -> str:
-    """The token in ``environ`` (default: this process's environment); "" when unset."""
-    return (os.environ if environ is None else environ).get(TOKEN_ENV, "")
-
-
 def token_matches(expected: bytes, given: str) -> bool:
     """Constant-time comparison of a call's token with the daemon's (``expected``: UTF-8)."""
     return hmac.compare_digest(expected, given.encode("utf-8", "surrogateescape"))
-
-
-def runtime_dir(
-    environ: Mapping[str, str] | None = None, uid: int | None = None, tmpdir: str | None = None
-) -> str:
-    """``$XDG_RUNTIME_DIR/pagedserve`` when that variable holds an absolute path, else
-    ``<tmpdir>/pagedserve-<uid>`` (defaults: this process's environment, uid and
-    ``tempfile.gettempdir()``). Pure given all three arguments."""
-    environ = os.environ if environ is None else environ
-    xdg = environ.get("XDG_RUNTIME_DIR", "")
-    if os.path.isabs(xdg):
-        return os.path.join(xdg, "pagedserve")
-    uid = os.getuid() if uid is None else uid
-    return os.path.join(tmpdir or tempfile.gettempdir(), f"pagedserve-{uid}")
-
-
-def default_endpoint(
-    environ: Mapping[str, str] | None = None, uid: int | None = None, tmpdir: str | None = None
-) -> str:
-    """``ipc://<runtime_dir(...)>/kvstore.sock``."""
-    return f"ipc://{os.path.join(runtime_dir(environ, uid, tmpdir), SOCKET_NAME)}"
 
 
 def ipc_path(endpoint: str) -> str | None:

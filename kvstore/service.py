@@ -14,7 +14,8 @@ from typing import Protocol
 
 from kvstore import protocol as p
 from kvstore.leases import Leases, Worker
-from kvstore.manager import KVCacheManager, KVError, TransferPlan
+from kvstore.manager import KVCacheManager
+from kvstore.requests import KVError, Placement, TransferPlan
 from kvstore.stats import build_stats
 
 log = logging.getLogger("pagedserve.kvstore")
@@ -128,9 +129,10 @@ class KVService:
             self._append(reply, worker, item.req_id, item.token_ids, item.num_computed)
         if body.tokens is not None:
             self._append_tokens(reply, worker, body.tokens)
-        placements = [(r, "resume", self._resume, r) for r in body.resumes] + [
-            (item.req_id, "admit", self._admit, item) for item in body.admits
+        placements: list[tuple[str, p.ItemOp, Callable[..., None], object]] = [
+            (r, "resume", self._resume, r) for r in body.resumes
         ]
+        placements += [(item.req_id, "admit", self._admit, item) for item in body.admits]
         blocked = False  # first come, first served: nothing is placed past a refusal for space
         for req_id, op, place, arg in placements:
             if blocked:
@@ -151,7 +153,7 @@ class KVService:
             reply.errors.append(p.ItemError(req_id, "append", err.code, str(err)))
             return
         if growth.new_block_ids or growth.copies:
-            reply.appended.append(p.Grown(*growth))
+            reply.appended.append(p.Grown(growth.req_id, growth.new_block_ids, growth.copies))
 
     def _append_tokens(self, reply: p.StepReply, worker: str, batch: p.TokenBatch) -> None:
         ids, tokens, computed = batch.req_ids, batch.token_ids, batch.num_computed
@@ -166,7 +168,7 @@ class KVService:
 
     @staticmethod
     def _each(
-        reply: p.StepReply, op: str, req_id: str, fn: Callable[..., object], *args: object
+        reply: p.StepReply, op: p.ItemOp, req_id: str, fn: Callable[..., object], *args: object
     ) -> None:
         """Runs one item of a step; a KVError becomes that item's error, the step goes on."""
         try:
@@ -175,7 +177,7 @@ class KVService:
             reply.errors.append(p.ItemError(req_id, op, err.code, str(err)))
 
     def _fork(self, parent: str, child: str, worker: str, reply: p.StepReply) -> None:
-        reply.forked.append(p.Placed(*self.manager.fork(parent, worker, child)))
+        reply.forked.append(placed(self.manager.fork(parent, worker, child)))
 
     def _admit(self, item: p.AdmitItem, worker: str, reply: p.StepReply) -> None:
         if item.adopt:
@@ -183,7 +185,7 @@ class KVService:
             self._run(plan)
         else:
             placement = self.manager.admit(item.req_id, worker, item.token_ids, item.salt)
-        reply.admitted.append(p.Placed(*placement))
+        reply.admitted.append(placed(placement))
 
     def _preempt(self, req_id: str, worker: str, now: float, reply: p.StepReply) -> None:
         (mode,), plan = self.manager.preempt([req_id], worker, now)
@@ -193,7 +195,7 @@ class KVService:
     def _resume(self, req_id: str, worker: str, reply: p.StepReply) -> None:
         placement, plan = self.manager.resume(req_id, worker)
         self._run(plan)
-        reply.resumed.append(p.Placed(*placement))
+        reply.resumed.append(placed(placement))
 
     def _run(self, plan: TransferPlan) -> None:
         """Executes a swap plan now, before any other manager call may reuse its source blocks."""
@@ -210,3 +212,10 @@ class KVService:
                 len(plan.swap_in),
                 seconds * 1e3,
             )
+
+
+def placed(placement: Placement) -> p.Placed:
+    """The wire form of a manager's ``Placement``."""
+    return p.Placed(
+        placement.req_id, placement.block_ids, placement.num_computed, placement.num_cached_tokens
+    )

@@ -5,9 +5,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvstore import protocol as p
+from kvstore.requests import Status
 
 if TYPE_CHECKING:
     from kvstore.service import KVService
+
+
+STATUS: dict[Status, p.RequestStatus] = {
+    Status.RUNNING: "running",
+    Status.SWAPPED: "swapped",
+    Status.DROPPED: "dropped",
+}
 
 
 def build_stats(service: KVService, top: int, now: float) -> p.Stats:
@@ -34,7 +42,7 @@ def build_stats(service: KVService, top: int, now: float) -> p.Stats:
             p.RequestRow(
                 r.req_id,
                 r.worker,
-                r.status.value,
+                STATUS[r.status],
                 len(r.token_ids),
                 r.num_computed,
                 len(r.block_ids),

@@ -10,20 +10,24 @@ import argparse
 import dataclasses
 import types
 import typing
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-T = TypeVar("T")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+T = TypeVar("T", bound="DataclassInstance")
 
 
-def _field_type(cls: type, field: dataclasses.Field[Any]) -> type:
-    hint = typing.get_type_hints(cls)[field.name]
+def _field_type(cls: type[DataclassInstance], field: dataclasses.Field[Any]) -> object:
+    """The field's type hint, ``X`` for ``X | None``."""
+    hint: object = typing.get_type_hints(cls)[field.name]
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     if typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 1:
         return args[0]
     return hint
 
 
-def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
+def add_arguments(parser: argparse.ArgumentParser, cls: type[DataclassInstance]) -> None:
     """Adds one ``--flag`` per field of the dataclass ``cls`` to ``parser``."""
     group = parser.add_argument_group(cls.__name__)
     for field in dataclasses.fields(cls):
@@ -44,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
         group.add_argument(
             flag,
             dest=field.name,
-            type=kind if kind in (int, float, str) else str,
+            type=kind if isinstance(kind, type) and kind in (int, float, str) else str,
             default=default,
             choices=choices,
             help=f"{help_text} (default: {default})",
@@ -53,5 +57,5 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
 
 def from_namespace(cls: type[T], ns: argparse.Namespace) -> T:
     """Builds the frozen ``cls`` from the parsed flags (fields absent from ``ns`` keep defaults)."""
-    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    names = {f.name for f in dataclasses.fields(cls)}
     return cls(**{k: v for k, v in vars(ns).items() if k in names})

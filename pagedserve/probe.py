@@ -28,9 +28,9 @@ import urllib.request
 
 import zmq
 
+from contracts.endpoints import TOKEN_ENV
 from kvstore import protocol as p
 from kvstore.client import KVClient, KVStoreError, KVStoreTimeout
-from kvstore.security import TOKEN_ENV
 
 
 class ProbeFailed(Exception):

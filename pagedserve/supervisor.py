@@ -97,7 +97,7 @@ class RestartPolicy:
 
     def delay(self, failures: int) -> float:
         """The wait before the restart that follows the ``failures``-th failure in a row."""
-        return min(self.backoff_s * 2 ** max(failures - 1, 0), self.max_backoff_s)
+        return min(self.backoff_s * 2.0 ** max(failures - 1, 0), self.max_backoff_s)
 
 
 class StartupError(Exception):

@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from redis.typing import StreamEntry
 
+from contracts.records import OutputRecord, decode_output
 from pagedserve.redis_server import EmbeddedRedis
 
 # Without CUDA, Triton kernels run in the interpreter. TRITON_INTERPRET must be set before any
@@ -62,3 +64,12 @@ def stop_process(process: subprocess.Popen[bytes]) -> str:
             process.kill()
     out = process.stdout.read() if process.stdout else b""
     return out.decode(errors="replace")
+
+
+def entry_record(entry: StreamEntry) -> OutputRecord:
+    """The record in an entry of an output stream, as XRANGE gives it to a bytes client."""
+    _, fields = entry
+    assert fields is not None
+    rec = fields[b"rec"]
+    assert isinstance(rec, bytes)
+    return decode_output(rec)

@@ -17,7 +17,8 @@ from pathlib import Path
 import redis
 import redis.asyncio
 
-from gateway import queue
+from contracts import queue_gateway, queue_worker
+from contracts.records import RequestRecord, SamplingParams, Streamed, StreamedSequence
 from kvstore import protocol as p
 from kvstore.client import KVClient
 from pagedserve.cli import spawn_process
@@ -26,22 +27,20 @@ from tests.conftest import ROOT
 
 
 def submit(redis_url: str, req_id: str, max_tokens: int, prompt: list[int] | None = None) -> None:
-    params = queue.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    record = queue.RequestRecord(req_id, prompt or [256, 72, 105], params, "tiny", time.time())
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    record = RequestRecord(req_id, prompt or [256, 72, 105], params, "tiny")
 
     async def go() -> None:
         client = redis.asyncio.Redis.from_url(redis_url)
-        await queue.submit(client, record)
+        await queue_gateway.submit(client, record)
         await client.aclose()
 
     asyncio.run(go())
 
 
-def wait_final(
-    r: redis.Redis, req_id: str, timeout_s: float = 60, poll_s: float = 0.1
-) -> queue.Streamed:
+def wait_final(r: redis.Redis, req_id: str, timeout_s: float = 60, poll_s: float = 0.1) -> Streamed:
     deadline = time.monotonic() + timeout_s
-    while not (streamed := queue.read_streamed(r, req_id)).final:
+    while not (streamed := queue_worker.read_streamed(r, req_id)).final:
         assert time.monotonic() < deadline, f"no final record for {req_id}"
         time.sleep(poll_s)
     return streamed
@@ -131,7 +130,7 @@ def test_up_serves_and_stops_on_ctrl_c(tmp_path: Path) -> None:
         # Ctrl-C while a long request runs: the worker drains it before the stack stops.
         submit(redis_url, "up-2", max_tokens=300)
         deadline = time.monotonic() + 60
-        while not queue.read_streamed(r, "up-2").sequences:
+        while not queue_worker.read_streamed(r, "up-2").sequences:
             assert time.monotonic() < deadline, "the worker never started up-2"
             time.sleep(0.05)
         up.send_signal(signal.SIGINT)
@@ -191,12 +190,12 @@ def test_sigkill_a_worker_mid_generation_another_finishes_without_prefilling_aga
     try:
         submit(redis_url, "kill-1", max_tokens=120, prompt=prompt)
         deadline = time.monotonic() + 90
-        while len(queue.read_streamed(r, "kill-1").sequences.get(0, NONE).token_ids) < 10:
+        while len(queue_worker.read_streamed(r, "kill-1").sequences.get(0, NONE).token_ids) < 10:
             assert time.monotonic() < deadline and worker_a.poll() is None, "A never streamed"
             time.sleep(0.05)
         worker_a.send_signal(signal.SIGKILL)
         worker_a.wait(10)
-        streamed_by_a = len(queue.read_streamed(r, "kill-1").sequences[0].token_ids)
+        streamed_by_a = len(queue_worker.read_streamed(r, "kill-1").sequences[0].token_ids)
         assert streamed_by_a < 120, "A finished before it was killed: nothing to take over"
         worker_b = spawn_process(
             "compute",
@@ -223,4 +222,4 @@ def test_sigkill_a_worker_mid_generation_another_finishes_without_prefilling_aga
     assert computed <= 120 - streamed_by_a + 16, (computed, streamed_by_a)
 
 
-NONE = queue.StreamedSequence([])
+NONE = StreamedSequence([])

@@ -47,7 +47,7 @@ def serves_again(example: str, log: Callable[[], str], timeout_s: float) -> None
 
 def worker_rows(endpoint: str) -> list[p.WorkerRow]:
     with KVClient(endpoint, timeout_s=5) as client:
-        return list(client.call(p.GetStats(0)).workers)  # type: ignore[union-attr]
+        return list(client.call(p.GetStats(0)).workers)
 
 
 def child_pid(up: subprocess.Popen[bytes], command: str) -> int | None:

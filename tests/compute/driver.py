@@ -10,14 +10,17 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol, cast
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM, GenerationMixin, PreTrainedModel
+from transformers.generation import GenerateBeamDecoderOnlyOutput
+from transformers.generation.utils import GenerateOutput
 
 from compute.attention import ATTN_NAME
 from compute.runner import ModelRunner, ScheduledChunk
+from contracts.model_config import kv_geometry
 from kvstore.manager import KVCacheManager
-from pagedserve.model_config import kv_geometry
 
 WORKER = "w0"
 EOS = 257
@@ -143,12 +146,31 @@ def paged_model(config: object, seed: int) -> PreTrainedModel:
     return AutoModelForCausalLM.from_config(config, attn_implementation=ATTN_NAME).eval()
 
 
+def moved(model: PreTrainedModel, device: torch.device, dtype: torch.dtype) -> PreTrainedModel:
+    """``model.to(device, dtype)``: in place, ``model`` itself. Called through ``nn.Module``'s
+    signature: transformers wraps ``PreTrainedModel.to`` in ``functools.wraps``, which mypy types
+    as a callable that does not bind ``self``."""
+    module: torch.nn.Module = model
+    module.to(device, dtype)
+    return model
+
+
+class CanGenerate(Protocol):
+    """A causal LM's ``generate`` (``GenerationMixin``). transformers annotates its ``self`` as
+    its ``GenerativePreTrainedModel`` Protocol, which none of its models satisfies under mypy."""
+
+    def generate(
+        self, inputs: torch.Tensor, **kwargs: Any
+    ) -> GenerateOutput | torch.LongTensor: ...
+
+
 @torch.inference_mode()
 def generate_greedy(ref: PreTrainedModel, prompt: list[int], max_new: int) -> list[int]:
     """transformers' greedy ``generate`` for one prompt (no padding); stops at EOS like the
     driver."""
+    assert isinstance(ref, GenerationMixin)  # every causal LM; not PreTrainedModel itself
     ids = torch.tensor([prompt], device=ref.device)  # [1, L]
-    out = ref.generate(
+    out = cast(CanGenerate, ref).generate(
         ids,
         attention_mask=torch.ones_like(ids),
         max_new_tokens=max_new,
@@ -156,6 +178,7 @@ def generate_greedy(ref: PreTrainedModel, prompt: list[int], max_new: int) -> li
         eos_token_id=EOS,
         pad_token_id=EOS,
     )
+    assert isinstance(out, torch.Tensor)
     return out[0, len(prompt) :].tolist()
 
 
@@ -172,8 +195,9 @@ def generate_beams(
 ) -> tuple[list[list[int]], list[float]]:
     """transformers' beam search (``num_beams=width``): the ``width`` hypotheses, best first,
     each cut after its ``stop`` token (padding follows it), and their scores."""
+    assert isinstance(ref, GenerationMixin)  # every causal LM; not PreTrainedModel itself
     ids = torch.tensor([prompt], device=ref.device)  # [1, L]
-    out = ref.generate(
+    out = cast(CanGenerate, ref).generate(
         ids,
         attention_mask=torch.ones_like(ids),
         num_beams=width,
@@ -187,6 +211,7 @@ def generate_beams(
         return_dict_in_generate=True,
         output_scores=True,
     )
+    assert isinstance(out, GenerateBeamDecoderOnlyOutput) and out.sequences_scores is not None
     rows = out.sequences[:, len(prompt) :].tolist()
     ended = [row[: row.index(stop) + 1] if stop in row else row for row in rows]  # padded after
     return ended, out.sequences_scores.tolist()

@@ -14,10 +14,15 @@ import redis.asyncio
 
 from compute.engine import Engine
 from compute.scheduler import SchedulerConfig
-from gateway import queue
+from contracts import queue_gateway, queue_keys, queue_worker
+from contracts.records import (
+    RequestRecord,
+    SamplingParams,
+    Streamed,
+)
 from kvstore import protocol as p
 from kvstore.client import KVClient
-from tests.conftest import start_kvstore, stop_process
+from tests.conftest import entry_record, start_kvstore, stop_process
 
 BLOCK_BYTES = 8192  # tiny model, fp32, block 16: 2 layers x K,V x 16 x 2 heads x 16 x 4 bytes
 PROFILE = [(16, 0.002), (1024, 0.05)]  # prefill seconds the worker reports (CPU, tiny)
@@ -29,14 +34,14 @@ class Served(NamedTuple):
     cached: dict[str, int]  # cached tokens each request reported
     steps: int
     max_used: int  # most GPU blocks in use after any step
-    streamed: dict[str, queue.Streamed]  # every sequence of every request
+    streamed: dict[str, Streamed]  # every sequence of every request
 
 
-def submit(redis_url: str, records: list[queue.RequestRecord]) -> None:
+def submit(redis_url: str, records: list[RequestRecord]) -> None:
     async def go() -> None:
         client = redis.asyncio.Redis.from_url(redis_url)
         for record in records:
-            await queue.submit(client, record)
+            await queue_gateway.submit(client, record)
         await client.aclose()
 
     asyncio.run(go())
@@ -49,7 +54,7 @@ def run_engine(
     max_tokens: int,
     tiny: tuple,
     max_num_seqs: int = 8,
-    params: dict[str, queue.SamplingParams] | None = None,
+    params: dict[str, SamplingParams] | None = None,
     salts: dict[str, bytes] | None = None,
     kv_model: str = "tiny",
 ) -> Served:
@@ -59,16 +64,15 @@ def run_engine(
     try:
         r = redis.Redis.from_url(redis_url)
         r.flushdb()
-        greedy = queue.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         submit(
             redis_url,
             [
-                queue.RequestRecord(
+                RequestRecord(
                     rid,
                     prompt,
                     (params or {}).get(rid, greedy),
                     "tiny",
-                    time.time(),
                     salt=(salts or {}).get(rid),
                 )
                 for rid, prompt in prompts.items()
@@ -89,15 +93,16 @@ def run_engine(
                 rows = {row.req_id: row for row in live.requests}
                 for seq in engine.scheduler.running():
                     assert rows[seq.seq_id].tokens == seq.num_reported, seq.seq_id
-                streamed = {rid: queue.read_streamed(r, rid) for rid in prompts}
+                streamed = {rid: queue_worker.read_streamed(r, rid) for rid in prompts}
                 if all(s.final for s in streamed.values()) and not engine.active:
                     break
             stats = kv.call(p.GetStats())
         outputs = {rid: s.sequences[0].token_ids for rid, s in streamed.items()}
         cached = {}
         for rid in prompts:
-            entries = r.xrange(queue.output_key(rid))
-            cached[rid] = queue.decode_output(entries[-1][1][b"rec"]).cached_tokens
+            entries = r.xrange(queue_keys.output_key(rid))
+            assert entries is not None
+            cached[rid] = entry_record(entries[-1]).cached_tokens
         return Served(outputs, stats, cached, steps, max_used, streamed)
     finally:
         stop_process(process)
@@ -114,7 +119,7 @@ def prompts_of(
 
 
 class TakenOver(NamedTuple):
-    streamed: queue.Streamed  # the request's output, every sequence
+    streamed: Streamed  # the request's output, every sequence
     computed_by_w2: int  # tokens the second worker ran through the model
     stats: p.Stats  # the kvstore's, at the end
 
@@ -123,8 +128,8 @@ def kill_and_take_over(
     redis_url: str,
     tiny: tuple,
     prompt: list[int],
-    params: queue.SamplingParams,
-    w1_dies: Callable[[Engine, queue.Streamed], bool],
+    params: SamplingParams,
+    w1_dies: Callable[[Engine, Streamed], bool],
 ) -> TakenOver:
     """Worker w1 serves the request until ``w1_dies`` says so, then dies (it stops: no step,
     no heartbeat, no ack, exactly what the kvstore and Redis see of a SIGKILL). Worker w2 takes
@@ -137,19 +142,19 @@ def kill_and_take_over(
     try:
         r = redis.Redis.from_url(redis_url)
         r.flushdb()
-        submit(redis_url, [queue.RequestRecord("crash", prompt, params, "tiny", time.time())])
+        submit(redis_url, [RequestRecord("crash", prompt, params, "tiny")])
         config = SchedulerConfig(8, 64)
         with KVClient(endpoint) as kv1, KVClient(endpoint) as kv2:
             w1 = Engine("w1", model, tokenizer, kv1, r, config, PROFILE, claim_idle_ms=1000)
-            while not w1_dies(w1, queue.read_streamed(r, "crash")):
+            while not w1_dies(w1, queue_worker.read_streamed(r, "crash")):
                 w1.step(block_ms=50)
             del w1
             w2 = Engine("w2", model, tokenizer, kv2, r, config, PROFILE, claim_idle_ms=1000)
             deadline = time.monotonic() + 60
-            while not queue.read_streamed(r, "crash").final:
+            while not queue_worker.read_streamed(r, "crash").final:
                 assert time.monotonic() < deadline, "w2 never finished the request"
                 w2.step(block_ms=50)
             stats = kv2.call(p.GetStats())
-        return TakenOver(queue.read_streamed(r, "crash"), w2.tokens_computed, stats)
+        return TakenOver(queue_worker.read_streamed(r, "crash"), w2.tokens_computed, stats)
     finally:
         stop_process(process)

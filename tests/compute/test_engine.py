@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from compute.models import FAMILIES, byte_tokenizer, tiny_family_config
-from gateway import queue
+from contracts.records import SamplingParams, Streamed
 from tests.compute.driver import generate_greedy, paged_model, reference_model
 from tests.compute.serving import BLOCK_BYTES, kill_and_take_over, prompts_of, run_engine
 
@@ -36,9 +36,10 @@ def test_each_family_through_kvstore_and_redis_equals_generate(
     config = tiny_family_config(family)
     config.save_pretrained(tmp_path)
     model = paged_model(config, seed=10 + FAMILIES.index(family))
-    served = {"model": model, "tokenizer": byte_tokenizer(), "ref": reference_model(model)}
+    ref = reference_model(model)
+    served = {"model": model, "tokenizer": byte_tokenizer(), "ref": ref}
     prompts = prompts_of([5, 17, 33, 40, 70], seed=30 + FAMILIES.index(family))
-    greedy = queue.SamplingParams(max_tokens=10, temperature=0.0)  # stops at the config's EOS
+    greedy = SamplingParams(max_tokens=10, temperature=0.0)  # stops at the config's EOS
     outputs, stats, *_ = run_engine(
         redis_url,
         ["--kv-memory", "0.01GiB"],
@@ -49,7 +50,7 @@ def test_each_family_through_kvstore_and_redis_equals_generate(
         kv_model=str(tmp_path),
     )
     for rid, prompt in prompts.items():
-        assert outputs[rid] == generate_greedy(served["ref"], prompt, 10), rid
+        assert outputs[rid] == generate_greedy(ref, prompt, 10), rid
     assert len({tuple(o) for o in outputs.values()}) == len(prompts)  # not degenerate
     assert stats.gpu.used == 0
 
@@ -93,7 +94,7 @@ def test_memory_pressure_swaps_and_recomputes_with_identical_output(
 def test_seeded_sampling_is_reproducible_whatever_the_batch(redis_url: str, tiny: tuple) -> None:
     """A seeded request gives the same tokens alone and among other (unseeded) requests."""
     prompt = prompts_of([20], seed=4)["req0"]
-    seeded = queue.SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=1234)
+    seeded = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=1234)
     flags = ["--kv-memory", "0.01GiB"]
     alone, *_ = run_engine(redis_url, flags, {"s": prompt}, 10, tiny, params={"s": seeded})
     crowd = {
@@ -101,11 +102,11 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(redis_url: str, tiny
         "s": prompt,
         "b": prompts_of([30], seed=6)["req0"],
     }
-    noisy = queue.SamplingParams(max_tokens=10, temperature=1.0)
+    noisy = SamplingParams(max_tokens=10, temperature=1.0)
     params = {"a": noisy, "s": seeded, "b": noisy}
     together, *_ = run_engine(redis_url, flags, crowd, 10, tiny, params=params)
     assert alone["s"] == together["s"] and len(alone["s"]) == 10
-    other = queue.SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=99)
+    other = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=99)
     different, *_ = run_engine(redis_url, flags, {"s": prompt}, 10, tiny, params={"s": other})
     assert different["s"] != alone["s"]  # the seed matters
 
@@ -115,7 +116,7 @@ def test_n4_forks_the_prompt_blocks_and_reproduces_with_a_seed(redis_url: str, t
     tokens takes 2 shared full blocks + 4 private last blocks = 6, not 12), every sequence
     streams under its own index, and the seed reproduces all four."""
     prompt = prompts_of([40], seed=8)["req0"]
-    params = queue.SamplingParams(max_tokens=8, temperature=0.9, seed=7, n=4, ignore_eos=True)
+    params = SamplingParams(max_tokens=8, temperature=0.9, seed=7, n=4, ignore_eos=True)
     flags = ["--kv-memory", "0.01GiB"]
     first = run_engine(redis_url, flags, {"n4": prompt}, 8, tiny, params={"n4": params})
     again = run_engine(redis_url, flags, {"n4": prompt}, 8, tiny, params={"n4": params})
@@ -134,7 +135,7 @@ def test_a_dead_workers_request_is_finished_by_another_without_prefilling_again(
     adopts the kvstore's blocks and finishes it: the output equals an uninterrupted run and w2
     computes only the tokens after the last one w1 reported, not the 96-token prompt."""
     prompt = prompts_of([96], seed=9)["req0"]
-    params = queue.SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     run = kill_and_take_over(
         redis_url, tiny, prompt, params, lambda w1, out: len(tokens_of(out, 0)) >= 8
     )
@@ -145,6 +146,6 @@ def test_a_dead_workers_request_is_finished_by_another_without_prefilling_again(
     assert run.stats.gpu.used == 0 and not run.stats.requests
 
 
-def tokens_of(streamed: queue.Streamed, index: int) -> list[int]:
+def tokens_of(streamed: Streamed, index: int) -> list[int]:
     sequence = streamed.sequences.get(index)
     return sequence.token_ids if sequence else []

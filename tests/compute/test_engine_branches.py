@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from gateway import queue
+from contracts.records import SamplingParams, Streamed
 from tests.compute.driver import generate_beams
 from tests.compute.serving import BLOCK_BYTES, kill_and_take_over, prompts_of, run_engine
 from tests.compute.test_engine import tokens_of
@@ -14,17 +14,17 @@ from tests.compute.test_engine import tokens_of
 FLAGS = ["--kv-memory", "0.01GiB"]
 
 
-def beam_params(prompt: list[int], tiny: tuple, max_tokens: int) -> queue.SamplingParams:
+def beam_params(prompt: list[int], tiny: tuple, max_tokens: int) -> SamplingParams:
     """Width 4, all 4 hypotheses returned; the stop token is the one the unconstrained search
     emits most, so hypotheses end at different lengths (the model's EOS is never emitted)."""
     free, _ = generate_beams(tiny[2], prompt, 4, max_tokens, None)
     stop = Counter(t for s in free for t in s).most_common(1)[0][0]
-    return queue.SamplingParams(
+    return SamplingParams(
         max_tokens=max_tokens, n=4, beam_width=4, stop_token_ids=[stop], ignore_eos=True
     )
 
 
-def hypotheses(streamed: queue.Streamed) -> list[list[int]]:
+def hypotheses(streamed: Streamed) -> list[list[int]]:
     return [streamed.sequences[k].token_ids for k in sorted(streamed.sequences)]
 
 
@@ -74,7 +74,7 @@ def test_a_dead_workers_n4_request_is_finished_by_another(redis_url: str, tiny: 
     """n = 4 with a seed: w1 dies after every branch streamed 5 tokens; w2 adopts the four
     branches and finishes them exactly as an uninterrupted run, without the prompt again."""
     prompt = prompts_of([96], seed=22)["req0"]
-    params = queue.SamplingParams(max_tokens=14, temperature=0.8, seed=3, n=4, ignore_eos=True)
+    params = SamplingParams(max_tokens=14, temperature=0.8, seed=3, n=4, ignore_eos=True)
     whole = run_engine(redis_url, FLAGS, {"crash": prompt}, 14, tiny, params={"crash": params})
     run = kill_and_take_over(
         redis_url,

@@ -9,15 +9,22 @@ from pathlib import Path
 
 import pytest
 import redis
+from transformers import PreTrainedModel
 
 from compute.engine import RECOVERABLE, Engine
 from compute.scheduler import SchedulerConfig
-from gateway import queue
+from contracts import queue_keys, queue_worker
+from contracts.records import (
+    OutputRecord,
+    RequestRecord,
+    SamplingParams,
+    StreamedSequence,
+)
 from kvstore import protocol as p
 from kvstore.client import KVClient
 from tests.compute.driver import generate_greedy
 from tests.compute.serving import PROFILE, prompts_of, run_engine, submit
-from tests.conftest import start_kvstore, stop_process
+from tests.conftest import entry_record, start_kvstore, stop_process
 
 FLAGS = ["--kv-memory", "0.01GiB"]
 EOS_PROMPT = [256, 76]  # BOS "L": the tiny model's greedy next token is its EOS (257)
@@ -28,8 +35,8 @@ def test_every_branch_ending_on_its_first_token(redis_url: str, tiny: tuple) -> 
     finished in the same step is never sent to the kvstore; each request ends with n
     one-token sequences and nothing stays allocated."""
     params = {
-        "n2": queue.SamplingParams(max_tokens=1, n=2, seed=1),
-        "eos4": queue.SamplingParams(max_tokens=8, n=4, temperature=0.0),
+        "n2": SamplingParams(max_tokens=1, n=2, seed=1),
+        "eos4": SamplingParams(max_tokens=8, n=4, temperature=0.0),
     }
     prompts = {"n2": list(b"hi"), "eos4": EOS_PROMPT}
     served = run_engine(redis_url, FLAGS, prompts, 1, tiny, params=params)
@@ -43,9 +50,10 @@ def test_every_branch_ending_on_its_first_token(redis_url: str, tiny: tuple) -> 
     assert served.stats.gpu.used == 0 and not served.stats.requests
 
 
-def records(redis_url: str, req_id: str) -> list[queue.OutputRecord]:
-    entries = redis.Redis.from_url(redis_url).xrange(queue.output_key(req_id))
-    return [queue.decode_output(fields[b"rec"]) for _, fields in entries]
+def records(redis_url: str, req_id: str) -> list[OutputRecord]:
+    entries = redis.Redis.from_url(redis_url).xrange(queue_keys.output_key(req_id))
+    assert entries is not None
+    return [entry_record(entry) for entry in entries]
 
 
 def test_the_first_branch_ending_while_the_others_go_on(redis_url: str, tiny: tuple) -> None:
@@ -54,7 +62,7 @@ def test_the_first_branch_ending_while_the_others_go_on(redis_url: str, tiny: tu
     it frees). Every branch ends as its own stop condition says."""
     stops = list(range(0, 256, 2))
     params = {
-        f"s{seed}": queue.SamplingParams(max_tokens=6, n=4, seed=seed, stop_token_ids=stops)
+        f"s{seed}": SamplingParams(max_tokens=6, n=4, seed=seed, stop_token_ids=stops)
         for seed in range(8)
     }
     prompts = {rid: list(b"fork") for rid in params}
@@ -89,7 +97,7 @@ def test_a_prompt_the_pool_can_never_hold_fails_alone(redis_url: str, tiny: tupl
     assert served.stats.gpu.used == 0 and not served.stats.requests
 
 
-GREEDY = queue.SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
 
 def engine_mid_stream(
@@ -99,21 +107,21 @@ def engine_mid_stream(
     streamed 5 tokens."""
     model, tokenizer, _ = tiny
     r = redis.Redis.from_url(redis_url)
-    submit(redis_url, [queue.RequestRecord(k, v, GREEDY, "tiny", 0.0) for k, v in prompts.items()])
+    submit(redis_url, [RequestRecord(k, v, GREEDY, "tiny") for k, v in prompts.items()])
     engine = Engine(name, model, tokenizer, kv, r, SchedulerConfig(8, 64), PROFILE)
     while min(len(streamed(r, rid).get(0, NO_TOKENS).token_ids) for rid in prompts) < 5:
         engine.step(block_ms=50)
     return engine
 
 
-def streamed(r: redis.Redis, req_id: str) -> dict[int, queue.StreamedSequence]:
-    return queue.read_streamed(r, req_id).sequences
+def streamed(r: redis.Redis, req_id: str) -> dict[int, StreamedSequence]:
+    return queue_worker.read_streamed(r, req_id).sequences
 
 
 def step_to_the_end(engine: Engine, prompts: dict[str, list[int]], timeout_s: float = 60) -> None:
     """Steps until every request is final, recovering as ``run_forever`` does."""
     deadline = time.monotonic() + timeout_s
-    while not all(queue.read_streamed(engine.redis, rid).final for rid in prompts):
+    while not all(queue_worker.read_streamed(engine.redis, rid).final for rid in prompts):
         assert time.monotonic() < deadline, "the worker never finished"
         try:
             engine.step(block_ms=50)
@@ -121,7 +129,7 @@ def step_to_the_end(engine: Engine, prompts: dict[str, list[int]], timeout_s: fl
             engine.recover(err, lambda: time.monotonic() > deadline)
 
 
-def assert_greedy(engine: Engine, prompts: dict[str, list[int]], ref: object) -> None:
+def assert_greedy(engine: Engine, prompts: dict[str, list[int]], ref: PreTrainedModel) -> None:
     for rid, prompt in prompts.items():
         tokens = streamed(engine.redis, rid)[0].token_ids
         assert tokens == generate_greedy(ref, prompt, GREEDY.max_tokens), rid
@@ -189,4 +197,4 @@ def test_a_restarted_redis_is_reconnected_to(tiny: tuple, tmp_path: Path) -> Non
         stop_process(kvstore)
 
 
-NO_TOKENS = queue.StreamedSequence([])
+NO_TOKENS = StreamedSequence([])

@@ -12,7 +12,13 @@ import torch
 
 from compute.models import FAMILIES, load_model, tiny_family_config
 from compute.runner import ModelRunner, ScheduledChunk
-from tests.compute.driver import GreedyDriver, paged_model, reference_model, run_chunked_schedule
+from tests.compute.driver import (
+    GreedyDriver,
+    moved,
+    paged_model,
+    reference_model,
+    run_chunked_schedule,
+)
 
 PROMPT_LENS = (5, 17, 33, 40)
 MAX_NEW = (12, 8, 16, 10)
@@ -49,7 +55,7 @@ def test_cuda_chunked_prefill_and_decode_match_sdpa(
 ) -> None:
     config = tiny_family_config(family)
     config.head_dim = head_dim
-    model = paged_model(config, seed=FAMILIES.index(family)).to(cuda, torch.bfloat16)
+    model = moved(paged_model(config, seed=FAMILIES.index(family)), cuda, torch.bfloat16)
     gen = torch.Generator().manual_seed(9)
     prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in PROMPT_LENS]
     driver = run_chunked_schedule(model, prompts, MAX_NEW)
@@ -65,7 +71,7 @@ def test_cuda_graph_decodes_match_sdpa(family: str, cuda: torch.device) -> None:
     config = tiny_family_config(family)
     config.head_dim = 64
     config.max_position_embeddings = 1024  # the graphs' block tables are this wide
-    model = paged_model(config, seed=5).to(cuda, torch.bfloat16)
+    model = moved(paged_model(config, seed=5), cuda, torch.bfloat16)
     gen = torch.Generator().manual_seed(11)
     driver = GreedyDriver(model, num_blocks=512, cuda_graph_max_batch=32)
     for i in range(20):
@@ -80,7 +86,7 @@ def test_cuda_graph_decodes_match_sdpa(family: str, cuda: torch.device) -> None:
 
 @pytest.mark.gpu
 def test_cuda_fp16_prefix_hit_and_block_size_32(cuda: torch.device) -> None:
-    model = paged_model(tiny_family_config("qwen3"), seed=1).to(cuda, torch.float16)
+    model = moved(paged_model(tiny_family_config("qwen3"), seed=1), cuda, torch.float16)
     gen = torch.Generator().manual_seed(4)
     prefix = torch.randint(0, 256, (64,), generator=gen).tolist()
     driver = GreedyDriver(model, block_size=32)

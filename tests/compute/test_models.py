@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 
 from compute.attention import ATTN_NAME
 from compute.models import FAMILIES, byte_tokenizer, load_model, tiny_family_config
-from pagedserve.model_config import kv_geometry, tiny_config
+from contracts.model_config import kv_geometry, tiny_config
 from tests.compute.driver import GreedyDriver, generate_greedy, paged_model, reference_model
 
 TEXT = "héllo, wörld ✓ \x00\n"
@@ -100,7 +100,7 @@ def test_missing_directory_and_bad_dtype(tmp_path: Path) -> None:
 def test_auto_dtype_is_the_configs_but_half_precision_on_cuda() -> None:
     """The kvstore and the workers resolve 'auto' alike; on CUDA fp32 becomes bf16 (the Triton
     kernels take fp16/bf16 only)."""
-    from pagedserve.model_config import resolve_dtype, tiny_config
+    from contracts.model_config import resolve_dtype, tiny_config
 
     config = tiny_config()  # no dtype: fp32
     assert resolve_dtype(config, "auto", "cpu") == "float32"

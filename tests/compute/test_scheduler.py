@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from compute.scheduler import Scheduler, SchedulerConfig, SeqStatus
-from kvstore.manager import KVCacheManager, KVError
+from kvstore.manager import KVCacheManager
+from kvstore.requests import KVError
 
 BS = 4
 
@@ -53,7 +54,8 @@ def test_placement_order_room_and_victim() -> None:
     assert [q.seq_id for q in s.to_place()] == ["a", "b"]
     s.placed("a", [0], 0, 3)
     s.placed("b", [1], 0, 3)
-    assert s.to_place() == [] and s.victim().seq_id == "b"
+    victim = s.victim()
+    assert s.to_place() == [] and victim is not None and victim.seq_id == "b"
     s.preempted("b")
     assert [q.seq_id for q in s.to_place()] == ["b"]  # preempted before the new c and d
     s.finish("a")
@@ -116,6 +118,7 @@ def test_every_sequence_finishes_under_memory_pressure(
                 except KVError as err:
                     assert err.code == "no_space"
                     victim = s.victim()
+                    assert victim is not None
                     kv.preempt([victim.seq_id], "w", 0.0)
                     s.preempted(victim.seq_id)
                     if victim is seq:

@@ -15,18 +15,21 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Coroutine, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 import pytest
+import redis
 
+from contracts import queue_worker
 from pagedserve.cli import spawn_process
 from pagedserve.redis_server import free_port
 from tests.conftest import start_kvstore, stop_process
 
+T = TypeVar("T")
 ADMIN_TOKEN = "test-admin-token"
 MAX_BODY_BYTES = 1 << 20
 
@@ -192,5 +195,25 @@ async def stream_completion(
         return Streamed(response.status, events, done)
 
 
-def run(coro: Any) -> Any:
+def run(coro: Coroutine[Any, Any, T]) -> T:
     return asyncio.run(coro)
+
+
+# ---------------------------------------------------------------- the Redis contract's tests
+@pytest.fixture(params=["resp3", "resp2", "unified"])
+def url(redis_url: str, request: pytest.FixtureRequest) -> str:
+    """Redis for the contract's tests (``test_queue*.py``): the same server through redis-py's
+    reply shapes: RESP3 (redis-py 8's default), RESP2, and
+    RESP3 with redis-py's new unified replies."""
+    query = {"resp3": "", "resp2": "?protocol=2", "unified": "?legacy_responses=false"}
+    return redis_url + query[request.param]
+
+
+@pytest.fixture
+def r(url: str) -> Iterator[redis.Redis]:
+    """A sync client of ``url`` on an empty database with the request group created."""
+    client = redis.Redis.from_url(url)
+    client.flushdb()
+    queue_worker.ensure_group(client)
+    yield client
+    client.close()

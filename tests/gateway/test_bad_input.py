@@ -75,6 +75,13 @@ CASES: dict[str, tuple[str, bytes | dict[str, Any], int, str | None, str | None]
     "negative_temperature": (COMPLETIONS, ok_completion(temperature=-1), 400, "temperature", None),
     "top_p_zero": (COMPLETIONS, ok_completion(top_p=0), 400, "top_p", None),
     "unknown_model": (COMPLETIONS, ok_completion(model="gpt-4"), 404, "model", "model_not_found"),
+    "priority_not_built": (
+        COMPLETIONS,
+        ok_completion(priority=5),
+        400,
+        "priority",
+        "unsupported_parameter",
+    ),
     "unknown_model_chat": (CHAT, ok_chat(model="llama"), 404, "model", "model_not_found"),
     "invalid_json": (COMPLETIONS, b'{"model": "tiny", "prompt": ', 400, None, "invalid_json"),
     "not_an_object": (CHAT, b"[1, 2, 3]", 400, None, None),

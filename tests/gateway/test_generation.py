@@ -1,7 +1,7 @@
 """From output records to choice deltas: the gateway side of the Redis contract, real Redis.
 
-The test plays the worker with the contract's own ``queue.publish``; the gateway side is the real
-``Generation`` reading through the real ``OutputRouter``.
+The test plays the worker with the contract's own ``queue_worker.publish``; the gateway side is
+the real ``Generation`` reading through the real ``OutputRouter``.
 """
 
 from __future__ import annotations
@@ -15,14 +15,15 @@ import pytest
 import redis
 import redis.asyncio
 
-from gateway import queue
+from contracts import queue_keys, queue_worker
+from contracts.records import OutputRecord
+from contracts.tokenizer import BOS
 from gateway.config import GatewayConfig
 from gateway.generation import Delta, Generation, GenerationError
 from gateway.metrics import Metrics
 from gateway.prepare import ModelInfo, prepare_completion
 from gateway.router import OutputRouter
 from gateway.schemas import CompletionRequest
-from pagedserve.tokenizer import BOS
 
 MODEL = ModelInfo.load(GatewayConfig())
 
@@ -45,8 +46,8 @@ async def generation(url: str, req_id: str, **request: Any) -> AsyncIterator[Gen
         await r.aclose()
 
 
-def record(req_id: str, index: int, tokens: list[int], text: str, **kw: Any) -> queue.OutputRecord:
-    return queue.OutputRecord(req_id, index, tokens, prompt_tokens=1, text=text, **kw)
+def record(req_id: str, index: int, tokens: list[int], text: str, **kw: Any) -> OutputRecord:
+    return OutputRecord(req_id, index, tokens, prompt_tokens=1, text=text, **kw)
 
 
 async def collect(gen: Generation) -> list[list[Delta]]:
@@ -65,7 +66,7 @@ def test_the_workers_text_is_forwarded_as_released(
 
     async def scenario() -> tuple[list[list[Delta]], Any]:
         async with generation(redis_url, "fwd", max_tokens=20) as gen:
-            queue.publish(
+            queue_worker.publish(
                 redis_client,
                 [
                     record("fwd", 0, [0xC3], ""),
@@ -89,41 +90,41 @@ def test_prompts_and_n_map_to_choice_indices(redis_client: redis.Redis, redis_ur
             for i in range(2):
                 for k in range(2):
                     letter = chr(ord("A") + 2 * i + k)
-                    queue.publish(
+                    queue_worker.publish(
                         redis_client,
                         [
                             record(f"multi-{i}", k, [1], letter),
                             record(f"multi-{i}", k, [1], letter, finish_reason="length", offset=1),
                         ],
                     )
-                queue.publish(redis_client, [queue.OutputRecord(f"multi-{i}", 1, final=True)])
+                queue_worker.publish(redis_client, [OutputRecord(f"multi-{i}", 1, final=True)])
             return await collect(gen)
 
     batches = run(scenario())
     assert ["".join(texts(batches, c)) for c in range(4)] == ["AA", "BB", "CC", "DD"]
-    assert redis_client.xlen(queue.REQUEST_STREAM) == 2  # one request per prompt
+    assert redis_client.xlen(queue_keys.REQUEST_STREAM) == 2  # one request per prompt
 
 
 def test_close_aborts_what_has_not_finished(redis_client: redis.Redis, redis_url: str) -> None:
     async def scenario() -> str:
         async with generation(redis_url, "leave", max_tokens=10) as gen:
-            queue.publish(redis_client, [record("leave", 0, [97], "a")])
+            queue_worker.publish(redis_client, [record("leave", 0, [97], "a")])
             async for deltas in gen.deltas():
                 return deltas[0].text  # the client leaves after its first delta
         return ""
 
     assert run(scenario()) == "a"
-    assert queue.is_aborted(redis_client, "leave")
+    assert redis_client.exists(queue_keys.abort_key("leave"))
 
 
 def test_an_abort_record_ends_every_sequence(redis_client: redis.Redis, redis_url: str) -> None:
     async def scenario() -> list[list[Delta]]:
         async with generation(redis_url, "gone", n=2, max_tokens=10) as gen:
-            queue.publish(
+            queue_worker.publish(
                 redis_client,
-                [record("gone", 1, [97], "a"), queue.OutputRecord("gone", 0, [], None, "abort")],
+                [record("gone", 1, [97], "a"), OutputRecord("gone", 0, [], None, "abort")],
             )
-            queue.publish(redis_client, [queue.OutputRecord("gone", final=True)])
+            queue_worker.publish(redis_client, [OutputRecord("gone", final=True)])
             return await collect(gen)
 
     finishes = {d.index: d.finish_reason for b in run(scenario()) for d in b if d.finish_reason}
@@ -133,13 +134,13 @@ def test_an_abort_record_ends_every_sequence(redis_client: redis.Redis, redis_ur
 def test_worker_error_raises(redis_client: redis.Redis, redis_url: str) -> None:
     async def scenario() -> None:
         async with generation(redis_url, "bad", max_tokens=10) as gen:
-            error = queue.OutputRecord("bad", finish_reason="error", error="boom", final=True)
-            queue.publish(redis_client, [error])
+            error = OutputRecord("bad", finish_reason="error", error="boom", final=True)
+            queue_worker.publish(redis_client, [error])
             await collect(gen)
 
     with pytest.raises(GenerationError, match="boom"):
         run(scenario())
-    assert not queue.is_aborted(redis_client, "bad")  # it ended: nothing to abort
+    assert not redis_client.exists(queue_keys.abort_key("bad"))  # it ended: nothing to abort
 
 
 def run(coro: Any) -> Any:

@@ -8,8 +8,15 @@ from typing import Any
 import aiohttp
 import redis
 
-from gateway import queue
-from tests.gateway.conftest import Stack, Streamed, run, sse_events, stream_completion
+from contracts import queue_keys, queue_worker
+from tests.conftest import entry_record
+from tests.gateway.conftest import (
+    Stack,
+    Streamed,
+    run,
+    sse_events,
+    stream_completion,
+)
 
 CLIENTS = 200
 
@@ -43,15 +50,15 @@ def test_200_streams_aborted_midway_leave_no_block_held(stack: Stack) -> None:
     cache = stack.wait_blocks_released(timeout_s=90)  # 200 x 3000 tokens would take many minutes
     assert cache["blocks"]["in_use"] == 0
     r = redis.Redis.from_url(stack.redis_url)
-    assert r.xlen(queue.REQUEST_STREAM) == 0  # every request acked
-    finals = [queue.read_streamed(r, req_id) for req_id in ids]
+    assert r.xlen(queue_keys.REQUEST_STREAM) == 0  # every request acked
+    finals = [queue_worker.read_streamed(r, req_id) for req_id in ids]
     assert all(f.final and f.sequences[0].finish_reason == "abort" for f in finals)
     assert max(len(f.sequences[0].token_ids) for f in finals) < 3000
 
 
 def test_non_streaming_client_that_leaves_aborts_too(stack: Stack) -> None:
     r = redis.Redis.from_url(stack.redis_url)
-    aborted_before = set(r.scan_iter(match=queue.abort_key("*")))
+    aborted_before = set(r.scan_iter(match=queue_keys.abort_key("*")))
 
     async def scenario() -> None:
         async with session() as s:
@@ -62,16 +69,17 @@ def test_non_streaming_client_that_leaves_aborts_too(stack: Stack) -> None:
 
     run(scenario())
     stack.wait_blocks_released(timeout_s=60)
-    [key] = set(r.scan_iter(match=queue.abort_key("*"))) - aborted_before
-    streamed = queue.read_streamed(r, key.decode().removeprefix(queue.abort_key("")))
+    [key] = set(r.scan_iter(match=queue_keys.abort_key("*"))) - aborted_before
+    streamed = queue_worker.read_streamed(r, key.decode().removeprefix(queue_keys.abort_key("")))
     assert streamed.final and streamed.sequences[0].finish_reason == "abort"
     assert len(streamed.sequences[0].token_ids) < 3000
 
 
 def published_text(r: redis.Redis, req_id: str) -> tuple[str, int]:
     """(text, tokens) the worker published for ``req_id``'s sequence 0."""
-    entries = r.xrange(queue.output_key(req_id))
-    mine = [queue.decode_output(fields[b"rec"]) for _, fields in entries]
+    entries = r.xrange(queue_keys.output_key(req_id))
+    assert entries is not None
+    mine = [entry_record(entry) for entry in entries]
     mine = [rec for rec in mine if rec.index == 0]
     return "".join(rec.text for rec in mine), sum(len(rec.token_ids) for rec in mine)
 

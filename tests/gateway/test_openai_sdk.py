@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TypedDict, TypeVar
 
 import openai
 import pytest
+from openai.types import Completion, CompletionChoice, CompletionUsage
+from openai.types.chat import ChatCompletionChunk, ChatCompletionMessageParam
 
 from tests.gateway.conftest import Stack
 
@@ -16,15 +19,24 @@ def client(stack: Stack) -> Iterator[openai.OpenAI]:
         yield c
 
 
-def stream_text(chunks: openai.Stream) -> tuple[dict[int, str], dict[int, str | None], list]:  # type: ignore[type-arg]
+Chunk = TypeVar("Chunk", Completion, ChatCompletionChunk)
+
+
+def stream_text(
+    chunks: openai.Stream[Chunk],
+) -> tuple[dict[int, str], dict[int, str | None], list[Chunk]]:
     """(text per choice, finish reason per choice, the chunks) of a completions stream."""
     texts: dict[int, str] = {}
     finish: dict[int, str | None] = {}
-    seen = []
+    seen: list[Chunk] = []
     for chunk in chunks:
         seen.append(chunk)
         for choice in chunk.choices:
-            text = choice.text if hasattr(choice, "text") else (choice.delta.content or "")
+            text = (
+                choice.text
+                if isinstance(choice, CompletionChoice)
+                else (choice.delta.content or "")
+            )
             texts[choice.index] = texts.get(choice.index, "") + text
             if choice.finish_reason is not None:
                 finish[choice.index] = choice.finish_reason
@@ -54,7 +66,10 @@ def test_completion_and_its_stream_agree(client: openai.OpenAI) -> None:
 
 
 def test_chat_and_its_stream_agree(client: openai.OpenAI) -> None:
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    messages: list[ChatCompletionMessageParam] = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi!"},
+    ]
     done = client.chat.completions.create(
         model="tiny", messages=messages, max_tokens=10, temperature=0, seed=1
     )
@@ -111,18 +126,30 @@ def test_seed_reproduces_sampling(client: openai.OpenAI) -> None:
     assert sample(4321) != first
 
 
+class CommonArgs(TypedDict):
+    model: str
+    prompt: str
+    max_tokens: int
+    temperature: float
+
+
 def test_stop_string_cuts_the_text_stream_and_not(client: openai.OpenAI) -> None:
-    kwargs = {"model": "tiny", "prompt": "Stop here", "max_tokens": 40, "temperature": 0}
-    free = client.completions.create(**kwargs, extra_body={"ignore_eos": True})  # type: ignore[call-overload]
+    kwargs: CommonArgs = {
+        "model": "tiny",
+        "prompt": "Stop here",
+        "max_tokens": 40,
+        "temperature": 0,
+    }
+    free = client.completions.create(**kwargs, extra_body={"ignore_eos": True})
     text = free.choices[0].text
     # a stop string from the middle of the greedy output, made of whole characters
     start = next(i for i in range(4, len(text) - 2) if "\ufffd" not in text[i : i + 2])
     stop = text[start : start + 2]
     expected = text[: text.index(stop)]
-    done = client.completions.create(**kwargs, stop=[stop], extra_body={"ignore_eos": True})  # type: ignore[call-overload]
+    done = client.completions.create(**kwargs, stop=[stop], extra_body={"ignore_eos": True})
     assert (done.choices[0].text, done.choices[0].finish_reason) == (expected, "stop")
     stream = client.completions.create(
-        **kwargs,  # type: ignore[arg-type]
+        **kwargs,
         stop=stop,
         stream=True,
         extra_body={"ignore_eos": True},
@@ -135,7 +162,7 @@ def test_include_usage_and_cached_tokens(client: openai.OpenAI) -> None:
     prompt = "A prompt of one hundred characters: the kvstore caches six full blocks of it. "
     prompt += "x" * (100 - len(prompt))  # 101 tokens with BOS: 6 full blocks, then a partial one
 
-    def run() -> tuple[list, object]:  # type: ignore[type-arg]
+    def run() -> tuple[list[Completion], CompletionUsage | None]:
         stream = client.completions.create(
             model="tiny",
             prompt=prompt,
@@ -148,9 +175,11 @@ def test_include_usage_and_cached_tokens(client: openai.OpenAI) -> None:
 
     chunks, usage = run()
     assert chunks[-1].choices == [] and all(c.usage is None for c in chunks[:-1])
-    assert usage.prompt_tokens == 101 and usage.prompt_tokens_details.cached_tokens == 0  # type: ignore[attr-defined]
+    assert usage is not None and usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens == 101 and usage.prompt_tokens_details.cached_tokens == 0
     _, usage = run()
-    assert usage.prompt_tokens_details.cached_tokens == 96  # type: ignore[attr-defined]
+    assert usage is not None and usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens == 96
     chat = client.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": prompt}], max_tokens=2
     )
@@ -169,7 +198,7 @@ def test_models_list_and_retrieve(client: openai.OpenAI) -> None:
 def test_client_errors_are_typed(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as bad:
         client.completions.create(model="tiny", prompt="x", max_tokens=0)
-    assert bad.value.param == "max_tokens"  # type: ignore[attr-defined]
+    assert bad.value.param == "max_tokens"
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="tiny", messages=[], stream=True)
     with pytest.raises(openai.NotFoundError) as missing:

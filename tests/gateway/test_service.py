@@ -22,10 +22,11 @@ import openai
 import pytest
 import redis
 
-from gateway import queue
+from contracts import queue_keys
+from contracts.model_config import tiny_config
+from contracts.tokenizer import byte_tokenizer
 from pagedserve.cli import spawn_process
-from pagedserve.model_config import tiny_config
-from pagedserve.tokenizer import byte_tokenizer
+from tests.conftest import entry_record
 from tests.gateway.conftest import Stack, run, stream_completion
 
 NO_WORKER_DB = 7  # a Redis database no worker reads: requests wait forever
@@ -85,7 +86,7 @@ def test_a_request_nobody_serves_ends_at_its_deadline_with_keepalives(stack: Sta
         assert 2.5 < took < 10, took
         status, answer = post(gateway.url, body)
         assert status == 504 and answer["error"]["code"] == "request_timeout"
-        aborts = redis.Redis.from_url(url).keys(queue.abort_key("*"))
+        aborts = redis.Redis.from_url(url).keys(queue_keys.abort_key("*"))
         assert len(aborts) == 2, aborts
 
 
@@ -237,8 +238,10 @@ def test_a_dead_gateways_requests_are_aborted_by_the_workers(stack: Stack) -> No
     stack.wait_blocks_released(timeout_s=30)
     r = redis.Redis.from_url(stack.redis_url)
     errors = []
-    for key in r.scan_iter(queue.output_key("*")):
-        last = queue.decode_output(r.xrevrange(key, count=1)[0][1][b"rec"])
+    for key in r.scan_iter(queue_keys.output_key("*")):
+        entries = r.xrevrange(key, count=1)
+        assert entries is not None
+        last = entry_record(entries[0])
         if last.error and "gateway" in last.error:
             errors.append(last.error)
     assert len(errors) == 3, errors

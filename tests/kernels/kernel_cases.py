@@ -13,6 +13,9 @@ TOL = {torch.float16: 3e-3, torch.bfloat16: 1.5e-2}
 # The H200 grid of issue 3, shared by the decode and prefill GPU tests.
 GRID_HEAD_DIMS = [64, 80, 96, 128, 256]
 GRID_HEADS = [(32, 32), (32, 8), (8, 2), (5, 1)]  # (query heads, kv heads)
+# The GPU edge tests, beside the grid: the low end of kernels._checks.SUPPORTED_HEAD_DIMS (9 and
+# 16, both padded to the smallest tile, 16), 40 (padded to 64) and 200 (to 256).
+EDGE_HEAD_DIMS = [9, 16, 40, 200]
 
 
 def grid_dtype(head_dim: int, q_heads: int, block_size: int) -> torch.dtype:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import randn
 
 from kernels import copy_blocks, store_kv
 from kernels.reference import copy_blocks_reference, store_kv_reference
+from tests.kernels.kernel_cases import randn
 
 F16, BF16 = torch.float16, torch.bfloat16
 
@@ -93,11 +93,11 @@ def test_cache_ops_reject_bad_inputs(device: torch.device) -> None:
     pool = random_pool(4, 2, 16, 2, 64, F16, device)
     k, v = pool[:, 0, 0], pool[:, 0, 1]
     key = randn((3, 2, 64), F16, device, 0)
-    with pytest.raises(AssertionError):  # int32 slots
+    with pytest.raises(TypeError, match=r"^slot_mapping "):  # int32 slots
         store_kv(key, key, k, v, torch.zeros(3, dtype=torch.int32, device=device))
-    with pytest.raises(AssertionError):  # wrong head count
+    with pytest.raises(ValueError, match=r"^key "):  # wrong head count
         store_kv(key[:, :1], key[:, :1], k, v, torch.zeros(3, dtype=torch.int64, device=device))
-    with pytest.raises(AssertionError):  # non-contiguous block
+    with pytest.raises(ValueError, match=r"^pool must be contiguous"):  # non-contiguous block
         copy_blocks(
             pool.transpose(1, 3),
             torch.zeros(1, dtype=torch.int64, device=device),

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import (
+
+from kernels import paged_decode
+from kernels.decode import choose_num_splits, split_plan
+from kernels.reference import paged_decode_reference
+from tests.kernels.kernel_cases import (
+    EDGE_HEAD_DIMS,
     GRID_HEAD_DIMS,
     GRID_HEADS,
     TOL,
@@ -15,10 +20,6 @@ from kernel_cases import (
     randn,
     rel_err,
 )
-
-from kernels import paged_decode
-from kernels.decode import choose_num_splits, split_plan
-from kernels.reference import paged_decode_reference
 
 F16, BF16 = torch.float16, torch.bfloat16
 
@@ -50,6 +51,8 @@ CPU_SHAPES = [  # (q_heads, kv_heads, head_dim, block_size, dtype)
     (5, 1, 80, 8, BF16),
     (2, 2, 96, 32, F16),
     (4, 1, 64, 64, BF16),
+    (4, 2, 9, 16, F16),  # the smallest supported head dim (padded to 16)
+    (2, 1, 40, 8, BF16),  # padded to 64
 ]
 
 
@@ -103,14 +106,14 @@ def test_decode_rejects_bad_inputs(device: torch.device) -> None:
     case = make_case([5], 2, 64, 16, F16, device)
     q = randn((1, 4, 64), F16, device, 0)
     bt, cl = case.block_tables, case.context_lens
-    with pytest.raises(AssertionError):
+    with pytest.raises(TypeError, match=r"^k_cache "):  # cache dtype != query dtype
         paged_decode(q.to(BF16), case.k_cache, case.v_cache, bt, cl, 1.0)
-    with pytest.raises(AssertionError):
+    with pytest.raises(TypeError, match=r"^block_tables "):
         paged_decode(q, case.k_cache, case.v_cache, bt.long(), cl, 1.0)
-    with pytest.raises(AssertionError):  # inner dims not contiguous
+    with pytest.raises(ValueError, match=r"^k_cache "):  # inner dims not contiguous
         k_bad = case.k_cache.transpose(1, 2)
         paged_decode(q, k_bad, k_bad, bt, cl, 1.0)
-    with pytest.raises(AssertionError):  # 6 query heads over 4... not a multiple of kv heads
+    with pytest.raises(ValueError, match=r"^query heads "):  # 3 query heads over 2 kv heads
         paged_decode(randn((1, 3, 64), F16, device, 0), case.k_cache, case.v_cache, bt, cl, 1.0)
 
 
@@ -130,6 +133,16 @@ def test_decode_grid(
     case = make_case(CONTEXTS, kv_heads, head_dim, block_size, dtype, cuda, seed=head_dim)
     for splits in (1, 7, None):
         check_decode(case, q_heads, splits, seed=splits or 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", EDGE_HEAD_DIMS)
+def test_decode_head_dim_edges(cuda: torch.device, head_dim: int) -> None:
+    """The ends of the supported head dims and odd paddings, GQA 32/8, both dtypes."""
+    for dtype in (F16, BF16):
+        case = make_case(CONTEXTS, 8, head_dim, 16, dtype, cuda, seed=head_dim)
+        for splits in (1, 7, None):
+            check_decode(case, 32, splits, seed=splits or 0)
 
 
 @pytest.mark.gpu

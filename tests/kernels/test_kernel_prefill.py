@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import (
+
+from kernels import paged_prefill
+from kernels.reference import paged_prefill_reference
+from tests.kernels.kernel_cases import (
+    EDGE_HEAD_DIMS,
     GRID_HEAD_DIMS,
     GRID_HEADS,
     TOL,
@@ -15,9 +19,6 @@ from kernel_cases import (
     randn,
     rel_err,
 )
-
-from kernels import paged_prefill
-from kernels.reference import paged_prefill_reference
 
 F16, BF16 = torch.float16, torch.bfloat16
 
@@ -56,6 +57,8 @@ CPU_SHAPES = [  # (q_heads, kv_heads, head_dim, block_size, dtype)
     (4, 2, 64, 16, F16),
     (5, 1, 80, 8, BF16),
     (2, 2, 96, 32, F16),
+    (4, 2, 9, 16, F16),  # the smallest supported head dim (padded to 16)
+    (2, 1, 40, 8, BF16),  # padded to 64
 ]
 
 
@@ -84,11 +87,11 @@ def test_prefill_rejects_bad_inputs(device: torch.device) -> None:
     case = make_case([5], 2, 64, 16, F16, device)
     q = randn((5, 4, 64), F16, device, 0)
     cu = torch.tensor([0, 5], dtype=torch.int32, device=device)
-    with pytest.raises(AssertionError):
+    with pytest.raises(TypeError, match=r"^cu_seqlens_q "):
         paged_prefill(
             q, case.k_cache, case.v_cache, case.block_tables, cu.long(), case.context_lens, 1.0
         )
-    with pytest.raises(AssertionError):
+    with pytest.raises(ValueError, match=r"^query "):  # head_dim 32 over a cache of 64
         paged_prefill(
             q[:, :, :32], case.k_cache, case.v_cache, case.block_tables, cu, case.context_lens, 1.0
         )
@@ -111,6 +114,15 @@ def test_prefill_grid(
         [c for _, c in MIXED], kv_heads, head_dim, block_size, dtype, cuda, seed=head_dim + 1
     )
     check_prefill(case, q_heads, [q for q, _ in MIXED])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", EDGE_HEAD_DIMS)
+def test_prefill_head_dim_edges(cuda: torch.device, head_dim: int) -> None:
+    """The ends of the supported head dims and odd paddings, GQA 32/8, both dtypes."""
+    for dtype in (F16, BF16):
+        case = make_case([c for _, c in MIXED], 8, head_dim, 16, dtype, cuda, seed=head_dim)
+        check_prefill(case, 32, [q for q, _ in MIXED])
 
 
 @pytest.mark.gpu

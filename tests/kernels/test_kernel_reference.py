@@ -7,9 +7,11 @@ import sys
 from pathlib import Path
 
 import torch
-from kernel_cases import make_case, randn, rel_err
 
+import kernels
+import kernels.reference
 from kernels.reference import paged_decode_reference, paged_prefill_reference
+from tests.kernels.kernel_cases import make_case, randn, rel_err
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -74,3 +76,10 @@ def test_reference_decode_is_prefill_of_one() -> None:
 def test_reference_import_does_not_import_triton() -> None:
     code = "import sys, kernels.reference; assert 'triton' not in sys.modules, 'triton imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+def test_one_reference_per_launcher() -> None:
+    """Each Triton launcher (its kernels) has exactly one oracle, in kernels/reference.py."""
+    launchers = {name for name in kernels.__all__ if name != "choose_num_splits"}
+    oracles = {name for name in kernels.reference.__all__ if name != "gather_kv"}
+    assert oracles == {f"{name}_reference" for name in launchers}

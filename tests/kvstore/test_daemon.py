@@ -112,7 +112,7 @@ def test_step_errors_are_per_item(client: KVClient) -> None:
 
 
 def test_bad_frames_get_error_replies_and_the_daemon_keeps_serving(daemon: str) -> None:
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(daemon)
@@ -131,7 +131,8 @@ def test_bad_frames_get_error_replies_and_the_daemon_keeps_serving(daemon: str) 
         assert isinstance(reply.body, p.Error) and reply.body.code == code, (frame, reply)
     sock.send_multipart([b"two", b"frames"])
     assert sock.poll(5000)
-    assert p.decode_reply(sock.recv()).body.code == "bad_message"
+    body = p.decode_reply(sock.recv()).body
+    assert isinstance(body, p.Error) and body.code == "bad_message"
     sock.close()
     with KVClient(daemon) as client:
         assert isinstance(client.call(p.Ping()), p.Pong)
@@ -261,7 +262,9 @@ def test_recompute_decision_gets_the_cost_the_worker_reports(client: KVClient) -
     ]
     [decision] = [d for d in client.call(p.GetStats()).decisions if d.req_id == "k1"]
     assert (decision.mode, decision.reason) == ("recompute", "recompute is cheaper")
-    assert decision.actual_s == 0.125 and decision.predicted_recompute_s < decision.predicted_swap_s
+    recompute_s, swap_s = decision.predicted_recompute_s, decision.predicted_swap_s
+    assert recompute_s is not None and swap_s is not None
+    assert decision.actual_s == 0.125 and recompute_s < swap_s
     client.call(p.Step("w-cost", frees=["k1"]))
 
 

@@ -8,12 +8,14 @@ import stat
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
 import pytest
 import torch
 
+from contracts.model_config import KVGeometry, kv_geometry, tiny_config
 from kvstore import protocol as p
 from kvstore.device import (
     DevicePools,
@@ -21,18 +23,17 @@ from kvstore.device import (
     blocks_in_gib,
     contiguous_runs,
     create_shm_file,
-    map_pool,
     remove_stale_pool_files,
 )
 from kvstore.manager import KVCacheManager
+from kvstore.mapping import map_pool
 from kvstore.service import KVService
-from pagedserve.model_config import KVGeometry, kv_geometry, tiny_config
 
 GEOMETRY = KVGeometry(num_layers=3, num_kv_heads=2, head_dim=8, dtype="bfloat16")
 
 
 @pytest.fixture
-def pools() -> DevicePools:
+def pools() -> Iterator[DevicePools]:
     pools = DevicePools(GEOMETRY, 16, num_blocks=32, num_cpu_blocks=16, device="cpu")
     yield pools
     pools.close()
@@ -72,25 +73,30 @@ def test_swap_out_then_in_returns_identical_bytes_and_frees_cpu_blocks(pools: De
     placed = service.handle(
         p.Step("w", admits=[p.AdmitItem("a", a_tokens), p.AdmitItem("b", b_tokens)])
     )
+    assert isinstance(placed, p.StepReply)
     a_blocks, b_blocks = placed.admitted[0].block_ids, placed.admitted[1].block_ids
     torch.manual_seed(1)
     pools.pool.copy_(torch.randn(pools.pool.shape).to(pools.pool.dtype))  # the "worker" writes
     a_bytes, b_bytes = pools.pool[a_blocks].clone(), pools.pool[b_blocks].clone()
     service.handle(p.Step("w", appends=[p.AppendItem("a", [1], 90)]))
     reply = service.handle(p.Step("w", preempts=["a"]))
+    assert isinstance(reply, p.StepReply)
     assert reply.preempted == [("a", "swap")] and manager.swap.num_used == 6
     # Make every freed block really free (no prefix-cache reuse at resume), then let others
     # overwrite them: all six blocks must come back from the CPU tier.
-    assert service.handle(p.ResetCache()).blocks == 5
+    reset = service.handle(p.ResetCache())
+    assert isinstance(reset, p.CacheReset) and reset.blocks == 5
     pools.pool[a_blocks] = float("nan")
     reply = service.handle(p.Step("w", resumes=["a"]))
+    assert isinstance(reply, p.StepReply)
     new_blocks = reply.resumed[0].block_ids
     assert reply.resumed[0].num_computed == 90
     assert manager.swap.num_free == 16, "swap-in must free the CPU blocks"
     assert torch.equal(pools.pool[new_blocks].view(torch.int16), a_bytes.view(torch.int16))
     assert torch.equal(pools.pool[b_blocks].view(torch.int16), b_bytes.view(torch.int16))
     decision = manager.decisions.recent()[-1]
-    assert decision["mode"] == "swap" and decision["actual_s"] > 0
+    actual_s = decision["actual_s"]
+    assert decision["mode"] == "swap" and isinstance(actual_s, float) and actual_s > 0
     manager.check_integrity()
 
 
@@ -100,7 +106,7 @@ def test_second_process_maps_the_shm_pool(pools: DevicePools) -> None:
     child = textwrap.dedent("""
         import sys, msgspec, torch
         from kvstore import protocol as p
-        from kvstore.device import map_pool
+        from kvstore.mapping import map_pool
         pool = map_pool(msgspec.msgpack.decode(sys.stdin.buffer.read(), type=p.PoolInfo))
         assert bool((pool[3, 1, 0] == 1.5).all()), "child does not see the parent's bytes"
         pool[7, 2, 1] = -2.25  # ... the child writes block 7 (layer 2, V)
@@ -120,7 +126,7 @@ def test_second_process_maps_the_cuda_pool_through_ipc() -> None:
     child = textwrap.dedent("""
         import sys, msgspec, torch
         from kvstore import protocol as p
-        from kvstore.device import map_pool
+        from kvstore.mapping import map_pool
         pool = map_pool(msgspec.msgpack.decode(sys.stdin.buffer.read(), type=p.PoolInfo))
         assert pool.is_cuda and bool((pool[5] == 3.0).all()), "child misses the parent's bytes"
         pool[9, 1, 0] = 7.0

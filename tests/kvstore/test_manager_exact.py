@@ -9,7 +9,8 @@ import pytest
 
 from kvstore.block_pool import BlockPool, NoFreeBlocks, SwapSpace
 from kvstore.cost_model import LinearCost, SwapCalibration
-from kvstore.manager import KVCacheManager, KVError, Status
+from kvstore.manager import KVCacheManager
+from kvstore.requests import KVError, Status
 
 BS = 16
 
@@ -294,6 +295,7 @@ def test_step_order_running_requests_grow_before_admissions() -> None:
     reply = service.handle(
         p.Step("w", admits=[p.AdmitItem("b", [1, 2])], appends=[p.AppendItem("a", [7], 32)])
     )
+    assert isinstance(reply, p.StepReply)
     assert [g.req_id for g in reply.appended] == ["a"]
     assert [(e.req_id, e.code) for e in reply.errors] == [("b", "no_space")]
 

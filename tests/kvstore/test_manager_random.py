@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvstore.cost_model import LinearCost, SwapCalibration
-from kvstore.manager import KVCacheManager, KVError, Status, TransferPlan
+from kvstore.manager import KVCacheManager
+from kvstore.requests import KVError, Placement, Status, TransferPlan
 
 BS = 4
 tokens_st = st.lists(st.integers(0, 2), min_size=1, max_size=14)  # tiny vocab: prefixes repeat
@@ -202,13 +203,14 @@ class KVMachine(RuleBasedStateMachine):
             self._run(plan)
             self.written[req_id] = placement.num_computed
         for other in self.m.orphan_worker(dead, self.now):  # the rest are adopted as they are
-            placement, plan = (
+            adopted: tuple[Placement | None, TransferPlan] = (
                 self.m.adopt(other, heir, self.m.requests[other].token_ids)
                 if (self.m.requests[other].status is Status.RUNNING)
                 else (None, TransferPlan())
             )
-            if placement is not None:
-                self.written[other] = placement.num_computed
+            other_placement, plan = adopted
+            if other_placement is not None:
+                self.written[other] = other_placement.num_computed
 
     @rule()
     def reset_cache(self) -> None:

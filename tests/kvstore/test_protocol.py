@@ -99,11 +99,11 @@ def test_every_message_type_has_a_sample() -> None:
 def test_round_trip(sample: msgspec.Struct) -> None:
     data = msgspec.msgpack.encode(sample)
     assert msgspec.msgpack.decode(data, type=type(sample)) == sample
-    if isinstance(sample, p.Request):  # type: ignore[arg-type]
-        call = p.Call(p.PROTOCOL_VERSION, 7, sample)  # type: ignore[arg-type]
+    if isinstance(sample, p.Request):
+        call = p.Call(p.PROTOCOL_VERSION, 7, sample)
         assert p.decode_call(p.encode(call)) == call
-    if isinstance(sample, p.ReplyBody):  # type: ignore[arg-type]
-        reply = p.Reply(p.PROTOCOL_VERSION, 7, sample)  # type: ignore[arg-type]
+    if isinstance(sample, p.ReplyBody):
+        reply = p.Reply(p.PROTOCOL_VERSION, 7, sample)
         assert p.decode_reply(p.encode(reply)) == reply
 
 

@@ -20,11 +20,10 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from contracts.endpoints import DEFAULT_ENDPOINT, TOKEN_ENV, default_endpoint, runtime_dir
 from gateway.kvclient import AsyncKVClient
 from kvstore import protocol as p
 from kvstore.client import KVClient, KVStoreError
-from kvstore.daemon import DEFAULT_ENDPOINT
-from kvstore.security import TOKEN_ENV, default_endpoint, runtime_dir
 from pagedserve.cli import spawn_kvstore
 from tests.conftest import ROOT, stop_process
 
@@ -162,7 +161,8 @@ def test_an_old_client_gets_a_version_error_and_a_flood_is_logged_once(
         assert isinstance(reply.body, p.Error) and reply.body.code == "version"
         frame = p.encode(p.Call(p.PROTOCOL_VERSION, 8, p.ResetCache(), "guess"))
         for _ in range(200):
-            assert client.call_raw(frame).body.code == "unauthorized"
+            body = client.call_raw(frame).body
+            assert isinstance(body, p.Error) and body.code == "unauthorized"
     token_daemon.refused += 200  # the fixture checks the log: a line or two, not 200
 
 

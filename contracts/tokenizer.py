@@ -6,7 +6,7 @@ One implementation for every process: compute workers (``compute.models``) and t
 tokenizers through ``load_tokenizer``. The byte tokenizer is a real ``PreTrainedTokenizerFast``
 (byte-level pre-tokenizer, a BPE model with 256 byte symbols and no merges): ids 0-255 are the
 bytes, 256 BOS ``<s>``, 257 EOS ``</s>``, 258 PAD ``<pad>``, matching
-``pagedserve.model_config.tiny_config()``. It saves and loads back with ``save_pretrained`` /
+``contracts.model_config.tiny_config()``. It saves and loads back with ``save_pretrained`` /
 ``AutoTokenizer.from_pretrained``, so a saved tiny model is a checkpoint like any other.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from pagedserve.model_config import TINY
+from contracts.model_config import TINY
 
 __all__ = ["BOS", "EOS", "PAD", "byte_tokenizer", "load_tokenizer"]
 

@@ -86,3 +86,12 @@ def kv_geometry(config: Any, dtype: str) -> KVGeometry:
         head_dim=head_dim,
         dtype=dtype,
     )
+
+
+def resolve_device(device: str) -> str:
+    """``auto``: ``cuda`` when there is a GPU, else ``cpu``; anything else as given."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,27 +1,17 @@
-"""docker-compose.yml, Dockerfile and .dockerignore, checked without a Docker engine; and the
-health probes (`pagedserve/probe.py`) against real processes.
+"""docker-compose.yml, Dockerfile and .dockerignore, checked without a Docker engine.
 
 Each service's command goes through the real `pagedserve` argparse parser and each healthcheck
 through the probe's parser, so a renamed flag or subcommand breaks this test, not a deployment.
+(The probes themselves, against real processes: tests/test_probes.py.)
 """
 
 from __future__ import annotations
 
 import argparse
 import fnmatch
-import http.server
 import json
-import os
 import re
-import signal
-import socket
-import subprocess
-import sys
-import threading
-import time
 import tomllib
-import uuid
-from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -29,7 +19,7 @@ import pytest
 import yaml
 
 from pagedserve import cli, probe
-from tests.conftest import ROOT, start_kvstore, stop_process
+from tests.conftest import ROOT
 
 ENV = {"MODEL_DIR": "/models/checkpoint"}  # the one variable without a default
 PAGEDSERVE_SERVICES = ("kvstore", "compute", "gateway")
@@ -64,7 +54,8 @@ def interpolate(value: Any, env: dict[str, str]) -> Any:
 
 def load_compose(env: dict[str, str] = ENV) -> dict[str, Any]:
     raw = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
-    return interpolate(raw, env)
+    compose: dict[str, Any] = interpolate(raw, env)
+    return compose
 
 
 @pytest.fixture(scope="module")
@@ -74,35 +65,13 @@ def compose() -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def services(compose: dict[str, Any]) -> dict[str, Any]:
-    return compose["services"]
+    services: dict[str, Any] = compose["services"]
+    return services
 
 
 def pagedserve_parser() -> argparse.ArgumentParser:
-    """The parser `pagedserve` itself uses: ``cli.build_parser()`` if the CLI exposes one,
-    else the one ``cli.main`` builds, caught at its ``parse_args`` call."""
-    build = getattr(cli, "build_parser", None)
-    if callable(build):
-        return build()
-
-    class Caught(Exception):
-        pass
-
-    caught: list[argparse.ArgumentParser] = []
-    original = argparse.ArgumentParser.parse_args
-
-    def catch(self: argparse.ArgumentParser, *args: object, **kwargs: object) -> None:
-        caught.append(self)
-        raise Caught
-
-    argparse.ArgumentParser.parse_args = catch  # type: ignore[assignment,method-assign]
-    try:
-        cli.main(["--help"])
-    except Caught:
-        pass
-    finally:
-        argparse.ArgumentParser.parse_args = original  # type: ignore[method-assign]
-    assert caught, "pagedserve.cli.main() did not call parse_args"
-    return caught[0]
+    """The parser `pagedserve` itself uses."""
+    return cli.build_parser()
 
 
 def subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -400,125 +369,3 @@ def test_dockerignore() -> None:
     assert "pagedserve/probe.py" in needed
     for path in needed:
         assert not dockerignored(path, patterns), f".dockerignore leaves out {path}"
-
-
-# ------------------------------------------------------------------ the probes, live
-def run_probe(*args: str) -> subprocess.CompletedProcess[str]:
-    """``python -m pagedserve.probe ARGS``, as a healthcheck runs it."""
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
-    return subprocess.run(
-        [sys.executable, "-m", "pagedserve.probe", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-
-
-@pytest.fixture(scope="module")
-def kvstore_endpoint() -> Iterator[str]:
-    process, endpoint = start_kvstore(
-        "--model", "tiny", "--kv-memory", "0.01GiB", "--swap-memory", "0", "--no-calibrate"
-    )
-    yield endpoint
-    stop_process(process)
-
-
-def test_probe_kvstore(kvstore_endpoint: str) -> None:
-    result = run_probe("kvstore", kvstore_endpoint)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith(f"healthy: kvstore {kvstore_endpoint}: up ")
-    dead = f"ipc:///tmp/pagedserve-test-{uuid.uuid4().hex[:8]}.sock"  # nobody binds it
-    start = time.monotonic()
-    result = run_probe("kvstore", dead, "--timeout-s", "0.5")
-    assert result.returncode == 1
-    assert result.stderr == f"unhealthy: kvstore {dead}: no reply in 0.5 s\n"
-    assert time.monotonic() - start < 5
-    result = run_probe("kvstore", "not-an-endpoint")
-    assert result.returncode == 1 and "unhealthy" in result.stderr
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def wait_probe(timeout_s: float, *args: str) -> subprocess.CompletedProcess[str]:
-    """Probes until healthy or ``timeout_s``; returns the last result."""
-    deadline = time.monotonic() + timeout_s
-    while (result := run_probe(*args)).returncode != 0 and time.monotonic() < deadline:
-        time.sleep(0.5)
-    return result
-
-
-@pytest.mark.slow  # the worker measures its prefill times before it registers (~12 s on CPU)
-def test_probe_worker_and_gateway(kvstore_endpoint: str, redis_url: str) -> None:
-    """A real worker with its default id ``{hostname}-{pid}``, as in a compute container, and
-    a real gateway whose /health follows it."""
-    assert run_probe("worker", kvstore_endpoint).returncode == 1  # none registered yet
-    port = free_port()
-    health = f"http://127.0.0.1:{port}/health"
-    shared = ["--model", "tiny", "--kvstore", kvstore_endpoint, "--redis-url", redis_url]
-    quiet: dict[str, Any] = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
-    gateway = cli.spawn_process(
-        "gateway", [*shared, "--host", "127.0.0.1", "--port", str(port)], **quiet
-    )
-    worker = cli.spawn_process("compute", [*shared, "--device", "cpu"], **quiet)
-    try:
-        cli.wait_for_workers(kvstore_endpoint, 1, [worker, gateway], 90)
-        result = run_probe("worker", kvstore_endpoint)
-        assert result.returncode == 0, result.stderr
-        assert f"worker {socket.gethostname()}-{worker.pid} " in result.stdout
-        result = wait_probe(30, "gateway", health)
-        assert result.returncode == 0, result.stderr
-        result = run_probe("worker", kvstore_endpoint, "--worker-id", "someone-else")
-        assert result.returncode == 1 and "not registered" in result.stderr
-        # A hung worker (stopped): still registered, no longer stepping.
-        worker.send_signal(signal.SIGSTOP)
-        time.sleep(1.5)
-        result = run_probe("worker", kvstore_endpoint, "--max-idle-s", "1")
-        assert result.returncode == 1 and "silent for" in result.stderr
-        worker.send_signal(signal.SIGCONT)
-        assert wait_probe(5, "worker", kvstore_endpoint, "--max-idle-s", "1").returncode == 0
-        worker.send_signal(signal.SIGINT)  # drains (nothing), unregisters
-        worker.wait(60)
-        result = run_probe("worker", kvstore_endpoint)
-        assert result.returncode == 1 and "not registered" in result.stderr
-        result = run_probe("gateway", health)
-        assert result.returncode == 1 and f"gateway {health}: HTTP 503" in result.stderr
-    finally:
-        for process in (worker, gateway):
-            if process.poll() is None:
-                process.send_signal(signal.SIGCONT)
-                process.send_signal(signal.SIGINT)
-                process.wait(60)
-
-
-class _Health(http.server.BaseHTTPRequestHandler):
-    def do_GET(self) -> None:
-        status = 200 if self.path == "/health" else 503
-        self.send_response(status)
-        self.end_headers()
-        self.wfile.write(b"ok" if status == 200 else b"no worker")
-
-    def log_message(self, format: str, *args: object) -> None:
-        pass
-
-
-def test_probe_gateway() -> None:
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Health)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{server.server_address[1]}"
-    try:
-        assert probe.main(["gateway", f"{base}/health"]) == 0
-        result = run_probe("gateway", f"{base}/sick")
-        assert result.returncode == 1 and "HTTP 503 no worker" in result.stderr
-    finally:
-        server.shutdown()
-        server.server_close()
-    assert probe.main(["gateway", f"{base}/health", "--timeout-s", "1"]) == 1  # nobody listens

@@ -1,6 +1,7 @@
 """The records that travel through Redis between the gateway and the compute workers. Torch-free
-and Redis-free: msgspec Structs, MessagePack encoded, with a version. The keys and the functions
-that move them are in ``gateway.queue``, which re-exports everything here."""
+and Redis-free: msgspec Structs, MessagePack encoded, with a version. The keys are in
+``contracts.queue_keys``, the functions that move the records in ``contracts.queue_worker`` and
+``contracts.queue_gateway``."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from typing import Literal
 
 import msgspec
 
-RECORD_VERSION = 1
+RECORD_VERSION = 2  # 2: RequestRecord without arrival_time and priority, OutputRecord without
+# logprobs, with offset; RequestRecord.gateway
 
 
 class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -57,20 +59,17 @@ class RecordError(ValueError):
 
 
 class RequestRecord(msgspec.Struct, array_like=True, forbid_unknown_fields=True, tag="req"):
-    """One request, as the gateway submits it. ``arrival_time``: the gateway's ``time.time()``.
-    ``salt``: mixed into the prefix-cache hash, so only requests with the same salt share
-    blocks. ``priority``: lower is served first among the requests one worker holds (the stream
-    itself is FIFO). ``gateway``: the id of the gateway waiting for the output, whose liveness
-    key (``queue.gateway_key``) it renews; once that key is gone, workers abort the request
-    (nobody would read it). Empty: no gateway (a program using the Redis contract directly)."""
+    """One request, as the gateway submits it. ``salt``: mixed into the prefix-cache hash, so
+    only requests with the same salt share blocks. ``gateway``: the id of the gateway waiting for
+    the output, whose liveness key (``queue_keys.gateway_key``) it renews; once that key is gone,
+    workers abort the request (nobody would read it). Empty: no gateway (a program using the
+    Redis contract directly). Requests are served in the order of the stream (no priority)."""
 
     req_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     model: str
-    arrival_time: float
     salt: bytes | None = None
-    priority: int = 0
     gateway: str = ""
 
 
@@ -79,7 +78,7 @@ class OutputRecord(
 ):
     """One delta of one sequence (``index`` < n, or a beam) of a request.
 
-    ``logprobs``: one per new token, when computed. ``finish_reason`` ends *this sequence*;
+    ``finish_reason`` ends *this sequence*;
     ``final`` ends the *request* (every sequence finished; for n == 1 it is the record that
     carries the finish_reason): readers stop there and no record follows it. An abort or error of
     the whole request is one record with ``final`` (any index). ``error`` is set with finish_reason
@@ -95,7 +94,6 @@ class OutputRecord(
     req_id: str
     index: int = 0
     token_ids: list[int] = []
-    logprobs: list[float] | None = None
     finish_reason: FinishReason | None = None
     error: str | None = None
     prompt_tokens: int = 0

@@ -1,0 +1,281 @@
+"""`pagedserve up`: the whole stack in one command.
+
+Starts Redis (an embedded, durable redis-server unless ``REDIS_URL`` is set), the kvstore, the
+compute workers and the gateway, each once the one it needs is ready, prints the banner (URL,
+admin token, a curl example), then supervises them (``pagedserve.supervisor``) until Ctrl-C or
+SIGTERM. ``UpConfig`` is its flags (``pagedserve.cli`` turns it into ``pagedserve up``'s parser),
+``run_up`` runs it.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import secrets
+import signal
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from contracts.endpoints import DEFAULT_ENDPOINT
+from gateway.config import ADMIN_TOKEN_ENV, GatewayConfig
+from pagedserve.supervisor import (
+    ChildSpec,
+    Interrupted,
+    RestartPolicy,
+    StartupError,
+    Supervisor,
+    child_popen_options,
+)
+
+if TYPE_CHECKING:
+    from pagedserve.redis_server import RedisServer
+
+log = logging.getLogger("pagedserve")
+
+
+@dataclass(frozen=True)
+class UpConfig:
+    model: str = field(
+        default="tiny",
+        metadata={
+            "help": "local Hugging Face checkpoint directory or 'tiny' (kvstore, workers, gateway)"
+        },
+    )
+    device: str = field(
+        default="auto",
+        metadata={
+            "help": "'cuda', 'cpu' or 'auto': cuda when there is a GPU (kvstore and workers)"
+        },
+    )
+    workers: int = field(
+        default=1,
+        metadata={
+            "help": "compute workers to start; worker i runs as --worker-id {hostname}-{port}-w{i} "
+            "(port: the gateway's), so a restarted worker comes back under its id and takes "
+            "its pending requests back"
+        },
+    )
+    host: str = field(default="127.0.0.1", metadata={"help": "the gateway's listen address"})
+    port: int = field(default=8000, metadata={"help": "the gateway's TCP port"})
+    endpoint: str = field(default=DEFAULT_ENDPOINT, metadata={"help": "kvstore endpoint"})
+    kvstore_args: str = field(
+        default="",
+        metadata={
+            "help": 'extra flags for `pagedserve kvstore`, e.g. "--kv-memory 2 --swap-memory 8"'
+        },
+    )
+    compute_args: str = field(
+        default="",
+        metadata={"help": 'extra flags for each `pagedserve compute`, e.g. "--max-num-seqs 64"'},
+    )
+    gateway_args: str = field(
+        default="",
+        metadata={"help": 'extra flags for `pagedserve gateway`, e.g. "--max-n 16"'},
+    )
+    startup_timeout_s: float = field(
+        default=300.0, metadata={"help": "how long to wait for every process to become healthy"}
+    )
+    restart_backoff_s: float = field(
+        default=1.0,
+        metadata={
+            "help": "once the stack is up, a child that exits (a worker, the kvstore, the "
+            "gateway, the embedded redis-server) is restarted after this long, doubled for each "
+            "further failure in a row, at most 30 s"
+        },
+    )
+    healthy_after_s: float = field(
+        default=60.0,
+        metadata={"help": "a child up this long is healthy again: failure count and backoff reset"},
+    )
+    max_restarts: int = field(
+        default=5,
+        metadata={
+            "help": "restart a child at most this many times in a row (each failure within "
+            "--healthy-after-s of its start counts); if it fails again, stop everything and "
+            "exit with status 1 (0: never restart)"
+        },
+    )
+    redis_dir: str = field(
+        default=".pagedserve/redis",
+        metadata={
+            "help": "the embedded Redis's directory (relative to the current one): its "
+            "append-only file (fsync every second), port and log; created mode 0700, never "
+            "deleted, one `up` at a time (ignored with REDIS_URL)"
+        },
+    )
+    redis_port: int = field(
+        default=0,
+        metadata={
+            "help": "the embedded Redis's port on 127.0.0.1; 0: the port of the last run "
+            "(recorded in --redis-dir) if it is free, else a free one"
+        },
+    )
+
+
+def run_up(config: UpConfig) -> None:
+    """Starts Redis, the kvstore, the workers and the gateway, waits until the workers have
+    registered and the gateway is healthy, prints where, then supervises them (see
+    ``pagedserve.supervisor``; ``UpConfig`` has the restart policy). Ctrl-C or SIGTERM stops
+    them all: the gateway first (requests in flight finish), then the workers (they drain
+    their requests; Ctrl-C again: at once), the kvstore, Redis; exit status 0. Exit status 1,
+    after one line saying why: the gateway's port is taken, a child failed during startup, or
+    one failed more than ``max_restarts`` times in a row."""
+    from pagedserve.redis_server import RedisServer, RedisWatch
+
+    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        policy = RestartPolicy(
+            backoff_s=config.restart_backoff_s,
+            healthy_after_s=config.healthy_after_s,
+            max_restarts=config.max_restarts,
+        )
+    except ValueError as err:
+        raise SystemExit(f"pagedserve up: {err}") from None
+    _check_port_free(config.host, config.port)
+    external = os.environ.get("REDIS_URL")
+    server: RedisServer | None = None
+    if not external:
+        try:
+            server = RedisServer.durable_in(config.redis_dir, config.redis_port)
+        except (RuntimeError, OSError) as err:
+            raise SystemExit(f"pagedserve up: redis: {err}") from None
+    redis_url = server.url if server is not None else str(external)
+    supervisor = Supervisor(policy, on_tick=[RedisWatch(external).check] if external else [])
+    supervisor.install_signal_handlers()
+    failure, status = "", 0
+    try:
+        try:
+            _start_stack(supervisor, config, server, redis_url)
+        except Interrupted:
+            log.info("stopping during startup")
+        except StartupError as err:
+            failure = str(err)
+        except Exception as err:  # a bug or an unexpected environment: one line, still
+            log.debug("startup failed", exc_info=True)
+            failure = f"startup failed: {type(err).__name__}: {err}"
+        else:
+            status = supervisor.run()
+    finally:
+        supervisor.stop()
+        if server is not None:
+            server.close()
+    if failure:
+        raise SystemExit(f"pagedserve up: {failure}")
+    raise SystemExit(status)
+
+
+def _start_stack(
+    supervisor: Supervisor, config: UpConfig, server: RedisServer | None, redis_url: str
+) -> None:
+    """Starts every child in order, each once the one it needs is ready; prints the banner."""
+    import shlex
+    from functools import partial
+
+    # pagedserve.cli imports this module (UpConfig) first: its helpers are imported here.
+    from pagedserve.cli import spawn_process
+    from pagedserve.probe import probe_gateway, probe_kvstore, probe_worker
+
+    timeout_s, children = config.startup_timeout_s, child_popen_options()
+    if server is not None:
+        redis_spec = ChildSpec(
+            "redis-server", server.spawn, stop_order=3, stop_signal=signal.SIGTERM
+        )
+        supervisor.start(redis_spec)
+        supervisor.wait_until(server.ping, timeout_s, "redis-server")
+        log.info("redis at %s, append-only file in %s", redis_url, server.directory)
+    shared = ["--model", config.model, "--device", config.device]
+    kv_flags = ["--endpoint", config.endpoint, *shared, *shlex.split(config.kvstore_args)]
+    supervisor.start(
+        ChildSpec("kvstore", partial(spawn_process, "kvstore", kv_flags, **children), stop_order=2)
+    )
+    kvstore_ready = _ready(partial(probe_kvstore, config.endpoint, 1.0))
+    supervisor.wait_until(kvstore_ready, timeout_s, "the kvstore")
+    worker_flags = [*shared, "--kvstore", config.endpoint, "--redis-url", redis_url]
+    worker_flags += shlex.split(config.compute_args)
+    ids = worker_ids(config)
+    for worker_id in ids:
+        flags = [*worker_flags, "--worker-id", worker_id]
+        start = partial(spawn_process, "compute", flags, **children)
+        supervisor.start(ChildSpec(f"worker {worker_id}", start, stop_order=1))
+    log.info("workers %s: a restarted one keeps its id, takes its requests back", ", ".join(ids))
+    gateway_flags = ["--model", config.model, "--host", config.host, "--port", str(config.port)]
+    gateway_flags += ["--redis-url", redis_url, "--kvstore", config.endpoint]
+    gateway_flags += shlex.split(config.gateway_args)
+    admin_token = os.environ.get(ADMIN_TOKEN_ENV) or secrets.token_urlsafe(24)
+    env = {**os.environ, ADMIN_TOKEN_ENV: admin_token}
+    gateway = partial(spawn_process, "gateway", gateway_flags, env=env, **children)
+    supervisor.start(ChildSpec("gateway", gateway, stop_order=0))
+    registered = _ready(lambda: [probe_worker(config.endpoint, i, 60.0, 5.0) for i in ids])
+    supervisor.wait_until(registered, timeout_s, "the workers")
+    url = f"http://{_url_host(config.host)}:{config.port}"
+    healthy = _ready(partial(probe_gateway, f"{url}/health", 2.0))
+    supervisor.wait_until(healthy, timeout_s, f"the gateway at {url}")
+    print(_banner(config, url, redis_url, admin_token, ids), flush=True)
+
+
+def worker_ids(config: UpConfig) -> list[str]:
+    """Stable across restarts of a worker and of `up`: ``{hostname}-{gateway port}-w{i}``."""
+    host = socket.gethostname()
+    return [f"{host}-{config.port}-w{i}" for i in range(config.workers)]
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Exits with one line if the gateway could not listen on ``host:port`` (before anything
+    is started)."""
+    try:
+        addresses = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as err:
+        raise SystemExit(f"pagedserve up: --host {host}: {err}") from None
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as aiohttp does
+            try:
+                sock.bind(address)
+            except OSError as err:
+                if err.errno == errno.EADDRINUSE:
+                    raise SystemExit(
+                        f"pagedserve up: port {port} on {host} is in use; pass --port"
+                    ) from None
+                raise SystemExit(f"pagedserve up: cannot listen on {host}:{port}: {err}") from None
+
+
+def _ready(check: Callable[[], object]) -> Callable[[], str | None]:
+    """A ``pagedserve.probe`` check as a ``Supervisor.wait_until`` probe."""
+    from pagedserve.probe import ProbeFailed
+
+    def probe() -> str | None:
+        try:
+            check()
+        except ProbeFailed as err:
+            return str(err)
+        return None
+
+    return probe
+
+
+def _url_host(host: str) -> str:
+    if host in ("0.0.0.0", "::", ""):
+        return "127.0.0.1"
+    return f"[{host}]" if ":" in host else host
+
+
+def _banner(config: UpConfig, url: str, redis_url: str, token: str, ids: list[str]) -> str:
+    from pagedserve.redis_server import redact
+
+    model = GatewayConfig(model=config.model).model_name()
+    body = f'{{"model": "{model}", "prompt": "Hello", "max_tokens": 16, "stream": true}}'
+    redis_dir = Path(config.redis_dir).absolute()
+    redis_note = "external, not restarted" if os.environ.get("REDIS_URL") else f"in {redis_dir}"
+    return (
+        f"pagedserve is up at {url} (redis {redact(redis_url)}, kvstore {config.endpoint}, "
+        f"{config.workers} worker(s)). Ctrl-C stops it.\n"
+        f"admin token ({ADMIN_TOKEN_ENV}): {token}\n"
+        f"try: curl -N {url}/v1/completions -H 'Content-Type: application/json' -d '{body}'\n"
+        f"supervised: a child that exits is restarted (backoff {config.restart_backoff_s:g} s "
+        f"doubling to 30 s, at most {config.max_restarts} times in a row); workers keep their "
+        f"ids ({', '.join(ids)}); redis: {redis_note}"
+    )

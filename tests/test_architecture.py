@@ -1,0 +1,129 @@
+"""The architecture as docs/architecture.md states it: who may import whom (checked on the
+source, lazy imports included, and by importing every module in a fresh interpreter), every
+module the document names exists, and its Redis keys are the code's."""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from contracts import queue_keys
+from tests.conftest import ROOT
+
+SERVICES = ("kvstore", "compute", "gateway")
+OURS = ("contracts", "kvstore", "compute", "gateway", "kernels", "pagedserve")
+# What each package may import of ours; the kvstore's client side is open to everyone.
+KVSTORE_CLIENT = ("kvstore.protocol", "kvstore.client", "kvstore.mapping")
+ALLOWED: dict[str, tuple[str, ...]] = {
+    "contracts": ("contracts",),
+    "kernels": ("kernels",),
+    "kvstore": ("kvstore", "contracts"),
+    "compute": ("compute", "contracts", "kernels", *KVSTORE_CLIENT),
+    "gateway": ("gateway", "contracts", *KVSTORE_CLIENT),
+}
+DOC = ROOT / "docs" / "architecture.md"
+
+
+def modules_of(package: str) -> list[str]:
+    return sorted(
+        f"{package}.{path.stem}" if path.stem != "__init__" else package
+        for path in (ROOT / package).glob("*.py")
+    )
+
+
+def allowed(package: str, imported: str) -> bool:
+    if imported.split(".")[0] not in OURS:
+        return True  # the standard library and third-party packages
+    return any(imported == a or imported.startswith(a + ".") for a in ALLOWED[package])
+
+
+def imports_in(path: Path) -> set[str]:
+    """Every module an ``import`` anywhere in the file names (functions' lazy ones too)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return names
+
+
+@pytest.mark.parametrize("package", sorted(ALLOWED))
+def test_no_import_crosses_a_boundary_in_the_source(package: str) -> None:
+    """``compute`` never imports ``gateway`` nor the reverse, no service imports the CLI
+    package ``pagedserve``, and only the kvstore's client side is imported by others."""
+    crossings = {
+        f"{path.relative_to(ROOT)}: {name}"
+        for path in (ROOT / package).glob("*.py")
+        for name in imports_in(path)
+        if not allowed(package, name)
+        # "from kvstore import protocol" names the package, then the module: judge the module
+        and not (name in OURS and any(n.startswith(name + ".") for n in imports_in(path)))
+    }
+    assert not crossings, sorted(crossings)
+
+
+@pytest.mark.parametrize("package", sorted(ALLOWED))
+def test_no_import_crosses_a_boundary_when_loaded(package: str) -> None:
+    """Every module of ``package`` imported in a fresh interpreter (``python -c``): none of
+    the modules it pulls in is one the package may not import."""
+    code = (
+        "import json, sys\n"
+        f"for m in {modules_of(package)!r}: __import__(m)\n"
+        "print(json.dumps(sorted(sys.modules)))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    loaded = json.loads(out.stdout.splitlines()[-1])
+    crossings = [m for m in loaded if not allowed(package, m) and m not in OURS]
+    assert not crossings, crossings
+
+
+def test_contracts_and_the_kvstore_client_side_are_torch_free() -> None:
+    modules = [*modules_of("contracts"), "kvstore.protocol", "kvstore.client"]
+    code = f"import sys\nfor m in {modules!r}: __import__(m)\n"
+    code += "assert 'torch' not in sys.modules, 'torch imported'"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+
+
+def test_every_module_the_document_names_exists() -> None:
+    named = set(re.findall(r"`((?:[a-z_]+/)+[a-z_]+\.py)`", DOC.read_text()))
+    assert len(named) > 30, "the document names the modules"
+    missing = sorted(name for name in named if not (ROOT / name).is_file())
+    assert not missing, missing
+
+
+def test_the_documents_redis_keys_are_the_codes() -> None:
+    documented = set(re.findall(r"`(pagedserve:[a-z_]+(?::\{[a-z_]+\})?)`", DOC.read_text()))
+    code = {
+        queue_keys.REQUEST_STREAM,
+        queue_keys.REQUEST_GROUP,
+        queue_keys.output_key("{req_id}"),
+        queue_keys.abort_key("{req_id}"),
+        queue_keys.wake_key("{reader}"),
+        queue_keys.gateway_key("{gateway_id}"),
+    }
+    assert documented == code
+    # and every key name the module builds is one of those
+    functions = [f for f in dir(queue_keys) if f.endswith("_key") and f != "KEY_PREFIX"]
+    assert sorted(functions) == ["abort_key", "gateway_key", "output_key", "wake_key"]
+
+
+def test_nothing_links_outside_the_repository() -> None:
+    texts = [p for p in ROOT.rglob("*") if p.suffix in (".md", ".py") and ".venv" not in p.parts]
+    outside = [
+        str(p.relative_to(ROOT))
+        for p in texts
+        if p != Path(__file__) and "../shared" in p.read_text(errors="replace")
+    ]
+    assert not outside, outside
