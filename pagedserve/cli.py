@@ -22,6 +22,7 @@ from compute.scheduler import SchedulerConfig
 from compute.worker import ComputeConfig
 from gateway.config import ADMIN_TOKEN_ENV, GatewayConfig
 from kvstore.daemon import KVStoreConfig
+from pagedserve.bench import BenchConfig
 from pagedserve.config import add_arguments, from_namespace
 from pagedserve.up import UpConfig, run_up
 
@@ -70,6 +71,14 @@ def build_parser() -> argparse.ArgumentParser:
         "Redis, and exits 0.",
     )
     add_arguments(up, UpConfig)
+    bench = sub.add_parser(
+        "bench",
+        help="measure a server over HTTP",
+        description="A serving benchmark over HTTP for any OpenAI-compatible server: streamed "
+        "requests (a burst or Poisson arrivals; random, shared-prefix or multi-turn workloads, "
+        "seeded), then throughput, TTFT/TPOT/ITL/end-to-end percentiles and goodput.",
+    )
+    add_arguments(bench, BenchConfig)
     return parser
 
 
@@ -87,6 +96,10 @@ def main(argv: list[str] | None = None) -> None:
         from gateway.app import run as run_gateway
 
         run_gateway(from_namespace(GatewayConfig, args))
+    elif args.command == "bench":
+        from pagedserve.bench import run as run_bench
+
+        run_bench(from_namespace(BenchConfig, args))
     else:
         run_up(from_namespace(UpConfig, args))
 

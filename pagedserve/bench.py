@@ -1,0 +1,406 @@
+"""``pagedserve bench``: a serving benchmark over HTTP, for any OpenAI-compatible server.
+
+Streams requests (``stream: true``) to ``/v1/completions`` or ``/v1/chat/completions`` as a client
+would, all at once (``--request-rate inf``, a burst) or arriving as a Poisson process, up to
+``--max-concurrency`` in flight; the requests (``pagedserve.bench_workloads``) are seeded, so two
+servers get the same ones. Measured per request, on the client: time to first token (TTFT),
+time per output token after the first (TPOT), the gaps between chunks (ITL), end to end; in all,
+output and input tokens per second (the usage the server reports with
+``stream_options.include_usage``, else one token per chunk) and goodput (requests per second
+meeting ``--slo-ttft-ms`` and ``--slo-tpot-ms``). A progress line on stderr; the report on stdout;
+every figure in ``--result-json``.
+
+``ignore_eos`` (a vLLM extension) makes outputs exactly ``max_tokens`` long; a server that rejects
+it (``transformers serve``) needs ``--no-ignore-eos`` and a model that does not stop early.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import random
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import aiohttp
+
+from pagedserve.bench_workloads import WORKLOADS, TextMaker, Turn, Workload, build, parse_range
+
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    base_url: str = field(
+        default="http://127.0.0.1:8000", metadata={"help": "the server, without /v1"}
+    )
+    model: str = field(
+        default="",
+        metadata={"help": "the model to ask for (default: the first one GET /v1/models lists)"},
+    )
+    endpoint: str = field(
+        default="completions",
+        metadata={"help": "which API to call", "choices": ["completions", "chat"]},
+    )
+    workload: str = field(
+        default="random",
+        metadata={"help": "the requests (see pagedserve/bench_workloads.py)", "choices": WORKLOADS},
+    )
+    num_requests: int = field(
+        default=128, metadata={"help": "requests to send (multi-turn: turns in all)"}
+    )
+    input_len: str = field(
+        default="64:1024",
+        metadata={"help": "prompt length lo:hi, tokens (words without --tokenizer)"},
+    )
+    output_len: str = field(default="32:512", metadata={"help": "max_tokens lo:hi"})
+    prefix_len: int = field(default=512, metadata={"help": "shared-prefix: the prefix length"})
+    num_prefixes: int = field(default=4, metadata={"help": "shared-prefix: distinct prefixes"})
+    turns: int = field(default=4, metadata={"help": "multi-turn: turns per conversation"})
+    request_rate: float = field(
+        default=math.inf,
+        metadata={
+            "help": "requests (multi-turn: conversations) per second, Poisson arrivals; "
+            "inf sends them all at once"
+        },
+    )
+    max_concurrency: int = field(
+        default=0, metadata={"help": "requests in flight at most (0: no limit)"}
+    )
+    ignore_eos: bool = field(
+        default=True, metadata={"help": "send ignore_eos (outputs of exactly max_tokens)"}
+    )
+    tokenizer: str = field(
+        default="",
+        metadata={
+            "help": "local tokenizer directory (or 'tiny') for prompts of exact token lengths"
+        },
+    )
+    seed: int = field(default=0, metadata={"help": "seed of the requests and the arrivals"})
+    slo_ttft_ms: float = field(default=0.0, metadata={"help": "goodput: TTFT limit (0: none)"})
+    slo_tpot_ms: float = field(default=0.0, metadata={"help": "goodput: TPOT limit (0: none)"})
+    timeout_s: float = field(default=600.0, metadata={"help": "one request's limit"})
+    api_key: str = field(default="", metadata={"help": "bearer token (default: $OPENAI_API_KEY)"})
+    result_json: str = field(default="", metadata={"help": "write every figure to this file"})
+    progress: bool = field(default=True, metadata={"help": "a progress line on stderr"})
+
+
+@dataclass
+class Result:
+    """One request as the client saw it (seconds since the benchmark started)."""
+
+    start: float
+    first: float | None = None
+    end: float = 0.0
+    chunks: list[float] = field(default_factory=list)  # arrival of each chunk with text
+    output_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # the prefix-cache hit the server reports (usage.prompt_tokens_details)
+    text: str = ""
+    error: str = ""
+    conversation: int = -1
+    turn: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.error and self.first is not None
+
+    @property
+    def ttft(self) -> float:
+        assert self.first is not None
+        return self.first - self.start
+
+    @property
+    def tpot(self) -> float | None:
+        assert self.first is not None
+        return (
+            (self.end - self.first) / (self.output_tokens - 1) if self.output_tokens > 1 else None
+        )
+
+
+class Client:
+    """Streams requests and times them; one aiohttp session, ``max_concurrency`` at once."""
+
+    def __init__(self, config: BenchConfig, session: aiohttp.ClientSession, model: str) -> None:
+        self.config, self.session, self.model = config, session, model
+        self.t0 = time.perf_counter()
+        limit = config.max_concurrency or 1 << 30
+        self.slots = asyncio.Semaphore(limit)
+        key = config.api_key or os.environ.get("OPENAI_API_KEY", "")
+        self.headers = {"Authorization": f"Bearer {key}"} if key else {}
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def body(self, history: list[tuple[str, str]], turn: Turn) -> dict[str, Any]:
+        """The request of ``turn`` after ``history`` ((user, assistant) pairs)."""
+        body: dict[str, Any] = {
+            "model": self.model,
+            "max_tokens": turn.max_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "temperature": 0,
+        }
+        if self.config.ignore_eos:
+            body["ignore_eos"] = True
+        if self.config.endpoint == "chat":
+            messages = []
+            for user, assistant in history:
+                messages += [{"role": "user", "content": user}]
+                messages += [{"role": "assistant", "content": assistant}]
+            body["messages"] = [*messages, {"role": "user", "content": turn.text}]
+        else:
+            past = "".join(f"{user}\n{assistant}\n" for user, assistant in history)
+            body["prompt"] = past + turn.text
+        return body
+
+    async def send(self, body: dict[str, Any]) -> Result:
+        path = "chat/completions" if self.config.endpoint == "chat" else "completions"
+        url = f"{self.config.base_url.rstrip('/')}/v1/{path}"
+        timeout = aiohttp.ClientTimeout(total=self.config.timeout_s)
+        async with self.slots:
+            result = Result(self.now())
+            try:
+                async with self.session.post(
+                    url, json=body, headers=self.headers, timeout=timeout
+                ) as response:
+                    if response.status != 200:
+                        result.error = f"HTTP {response.status}: {(await response.text())[:200]}"
+                        return result
+                    await self._read(response, result)
+            except (aiohttp.ClientError, TimeoutError) as err:
+                result.error = f"{type(err).__name__}: {err}"
+            result.end = self.now()
+            return result
+
+    async def _read(self, response: aiohttp.ClientResponse, result: Result) -> None:
+        chat = self.config.endpoint == "chat"
+        counted = 0
+        async for raw in response.content:
+            line = raw.strip()
+            if not line.startswith(b"data: "):
+                continue  # blank lines and SSE comments (keep-alives)
+            if line == b"data: [DONE]":
+                break
+            event = json.loads(line[6:])
+            if "error" in event:
+                result.error = f"error event: {event['error']}"
+                return
+            for choice in event.get("choices") or []:
+                text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+                if text:
+                    now = self.now()
+                    result.first = result.first if result.first is not None else now
+                    result.chunks.append(now)
+                    result.text += text
+                    counted += 1
+            usage = event.get("usage")
+            if usage:
+                result.output_tokens = int(usage.get("completion_tokens") or 0)
+                result.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+                details = usage.get("prompt_tokens_details") or {}
+                result.cached_tokens = int(details.get("cached_tokens") or 0)
+        result.output_tokens = result.output_tokens or counted
+
+    async def conversation(self, turns: list[Turn], done: Callable[[Result], None]) -> list[Result]:
+        history: list[tuple[str, str]] = []
+        results = []
+        for turn in turns:
+            result = await self.send(self.body(history, turn))
+            result.conversation, result.turn = turn.conversation, turn.turn
+            done(result)
+            results.append(result)
+            if not result.ok:
+                break  # a conversation does not go on past a failed turn
+            history.append((turn.text, result.text))
+        return results
+
+
+async def first_model(session: aiohttp.ClientSession, config: BenchConfig) -> str:
+    async with session.get(f"{config.base_url.rstrip('/')}/v1/models") as response:
+        response.raise_for_status()
+        return str((await response.json())["data"][0]["id"])
+
+
+async def run_requests(config: BenchConfig, groups: list[list[Turn]]) -> tuple[list[Result], float]:
+    """Sends every group (a conversation, or one request) at its arrival time; the results and
+    the duration from the first send to the last answer."""
+    total, finished = sum(len(g) for g in groups), []
+    rng = random.Random(config.seed + 1)
+    progress = Progress(total, config.progress)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        model = config.model or await first_model(session, config)
+        client = Client(config, session, model)
+
+        def done(result: Result) -> None:
+            finished.append(result)
+            progress.update(finished, client.now())
+
+        tasks = []
+        for group in groups:
+            tasks.append(asyncio.create_task(client.conversation(group, done)))
+            if math.isfinite(config.request_rate):
+                await asyncio.sleep(rng.expovariate(config.request_rate))
+        results = [r for group in await asyncio.gather(*tasks) for r in group]
+        duration = max(r.end for r in results) if results else 0.0
+    progress.close()
+    return results, duration
+
+
+class Progress:
+    """``done/total, elapsed, output tok/s`` on stderr: redrawn on a terminal, else every 10%."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.enabled = total, enabled
+        self.tty = sys.stderr.isatty()
+        self._next = 0.1
+
+    def update(self, finished: list[Result], elapsed: float) -> None:
+        if not self.enabled:
+            return
+        done = len(finished)
+        tokens = sum(r.output_tokens for r in finished)
+        rate = tokens / max(elapsed, 1e-9)
+        line = f"{done}/{self.total} requests, {elapsed:.1f} s, {rate:.0f} out tok/s"
+        if self.tty:
+            print(f"\r{line}", end="", file=sys.stderr, flush=True)
+        elif done / self.total >= self._next or done == self.total:
+            print(line, file=sys.stderr, flush=True)
+            self._next = done / self.total + 0.1
+
+    def close(self) -> None:
+        if self.enabled and self.tty:
+            print(file=sys.stderr)
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    """p50/p90/p99 (nearest rank) and the mean, in milliseconds; zeros when empty."""
+    if not values:
+        return {**{f"p{q}": 0.0 for q in PERCENTILES}, "mean": 0.0}
+    ordered = sorted(values)
+    picks = {
+        f"p{q}": ordered[min(len(ordered) - 1, math.ceil(q / 100 * len(ordered)) - 1)]
+        for q in PERCENTILES
+    }
+    return {k: v * 1e3 for k, v in {**picks, "mean": sum(ordered) / len(ordered)}.items()}
+
+
+def summarize(config: BenchConfig, results: list[Result], duration: float) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    tpots = [t for r in ok if (t := r.tpot) is not None]
+    itls = [b - a for r in ok for a, b in zip(r.chunks, r.chunks[1:], strict=False)]
+    good = [
+        r
+        for r in ok
+        if (not config.slo_ttft_ms or r.ttft * 1e3 <= config.slo_ttft_ms)
+        and (not config.slo_tpot_ms or (r.tpot or 0.0) * 1e3 <= config.slo_tpot_ms)
+    ]
+    span = max(duration, 1e-9)
+    return {
+        "config": asdict(config),
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if r.error})[:5],
+        "duration_s": duration,
+        "output_tokens": sum(r.output_tokens for r in ok),
+        "input_tokens": sum(r.prompt_tokens for r in ok),
+        "cached_tokens": sum(r.cached_tokens for r in ok),
+        "output_tok_s": sum(r.output_tokens for r in ok) / span,
+        "input_tok_s": sum(r.prompt_tokens for r in ok) / span,
+        "request_s": len(ok) / span,
+        "goodput_request_s": len(good) / span,
+        "ttft_ms": percentiles([r.ttft for r in ok]),
+        "tpot_ms": percentiles(tpots),
+        "itl_ms": percentiles(itls),
+        "e2e_ms": percentiles([r.end - r.start for r in ok]),
+        "requests": [
+            {
+                "start_s": r.start,
+                "ttft_ms": r.ttft * 1e3 if r.ok else None,
+                "e2e_ms": (r.end - r.start) * 1e3,
+                "output_tokens": r.output_tokens,
+                "prompt_tokens": r.prompt_tokens,
+                "cached_tokens": r.cached_tokens,
+                "conversation": r.conversation,
+                "turn": r.turn,
+                "error": r.error,
+            }
+            for r in results
+        ],
+    }
+
+
+def report(summary: dict[str, Any]) -> str:
+    lines = [
+        f"completed {summary['completed']}, failed {summary['failed']} in "
+        f"{summary['duration_s']:.2f} s",
+        f"output {summary['output_tok_s']:.1f} tok/s, input {summary['input_tok_s']:.1f} tok/s, "
+        f"{summary['request_s']:.2f} req/s (goodput {summary['goodput_request_s']:.2f} req/s)",
+        f"prefix cache: {summary['cached_tokens']} of {summary['input_tokens']} prompt tokens",
+    ]
+    for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        p = summary[name]
+        lines.append(
+            f"{name[:-3].upper():5} ms  p50 {p['p50']:.1f}  p90 {p['p90']:.1f}  "
+            f"p99 {p['p99']:.1f}  mean {p['mean']:.1f}"
+        )
+    lines += [f"error: {e}" for e in summary["errors"]]
+    return "\n".join(lines)
+
+
+def run(config: BenchConfig) -> dict[str, Any]:
+    """``pagedserve bench``: sends the workload, prints the report; the summary."""
+    try:
+        decode, vocab = tokenizer_of(config.tokenizer)
+        groups = build(
+            _workload(config.workload),
+            config.num_requests,
+            parse_range(config.input_len),
+            parse_range(config.output_len),
+            config.seed,
+            lambda rng: TextMaker(rng, decode, vocab),
+            config.prefix_len,
+            config.num_prefixes,
+            config.turns,
+        )
+    except (ValueError, OSError) as err:
+        raise SystemExit(f"pagedserve bench: {err}") from None
+    try:
+        results, duration = asyncio.run(run_requests(config, groups))
+    except aiohttp.ClientError as err:
+        raise SystemExit(f"pagedserve bench: {config.base_url}: {err}") from None
+    summary = summarize(config, results, duration)
+    print(report(summary), flush=True)
+    if config.result_json:
+        with open(config.result_json, "w") as f:
+            json.dump(summary, f, indent=1)
+    return summary
+
+
+def _workload(name: str) -> Workload:
+    for workload in WORKLOADS:
+        if workload == name:
+            return workload
+    raise ValueError(f"workload {name!r}: one of {', '.join(WORKLOADS)}")
+
+
+def tokenizer_of(name: str) -> tuple[Callable[[list[int]], str] | None, int]:
+    """``name``'s decode (special tokens left out) and vocabulary size; (None, 0) for none."""
+    if not name:
+        return None, 0
+    from contracts.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(name)
+    special = set(tokenizer.all_special_ids)
+    vocab = len(tokenizer)
+
+    def decode(ids: list[int]) -> str:
+        return str(tokenizer.decode([i for i in ids if i not in special]))
+
+    return decode, vocab

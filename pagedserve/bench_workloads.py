@@ -1,0 +1,104 @@
+"""The requests ``pagedserve bench`` sends: seeded, so two servers get exactly the same ones.
+
+A prompt's length is counted in tokens when a tokenizer is given (``--tokenizer``: random token
+ids decoded to text, as ``vllm bench serve``'s random dataset does), else in words of a fixed
+vocabulary (about one token each for common tokenizers). Prompts are always text, so every
+OpenAI-compatible server takes them, on ``/v1/completions`` and on ``/v1/chat/completions``.
+
+- ``random``: each request a fresh prompt of ``input_len`` and ``max_tokens`` of ``output_len``
+  (both ``lo:hi`` ranges, uniform);
+- ``shared-prefix``: each request one of ``num_prefixes`` prefixes of ``prefix_len`` followed by
+  a fresh part of ``input_len`` (the prefix cache's case);
+- ``multi-turn``: conversations of ``turns`` turns, each turn's prompt the whole history so far
+  (earlier prompts and the server's answers) plus a new user message; the turns of one
+  conversation run one after the other, conversations concurrently.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+Workload = Literal["random", "shared-prefix", "multi-turn"]
+WORKLOADS: tuple[Workload, ...] = ("random", "shared-prefix", "multi-turn")
+# common English words, about one token each for common tokenizers (a list literal would take
+# a line a word)
+_WORDS = (  # noqa: SIM905
+    "time year people way day man thing woman life child world school state family "
+    "student group country problem hand part place case week company system program "
+    "question work government number night point home water room mother area money story "
+    "fact month lot right study book eye job word business issue side kind head house "
+    "service friend father power hour game line end member law car city community name "
+    "president team minute idea kid body information back parent face others level office "
+    "door health person art war history party result change morning reason research girl "
+    "guy moment air teacher force education foot boy age policy music market sense nation "
+    "plan college interest death experience effect class control care field development "
+    "role effort rate heart drug show leader light voice wife police mind price report "
+    "decision son view relationship town road arm difference value building action model "
+    "season society tax director position player record paper space ground form event "
+    "official matter center couple site project activity star table need court oil "
+    "situation cost industry figure street image phone data picture"
+).split()
+
+
+def parse_range(spec: str) -> tuple[int, int]:
+    """``"64:1024"`` or ``"128"``: an inclusive range of at least 1. Raises ValueError."""
+    lo, _, hi = spec.partition(":")
+    low, high = int(lo), int(hi or lo)
+    if not 1 <= low <= high:
+        raise ValueError(f"range {spec!r}: expected lo:hi with 1 <= lo <= hi")
+    return low, high
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One request: the user's new text, its output budget, and the conversation it belongs to
+    (its earlier turns come first in the prompt; ``conversation`` is -1 for single requests)."""
+
+    text: str
+    max_tokens: int
+    conversation: int = -1
+    turn: int = 0
+
+
+class TextMaker:
+    """Random text of a given length: tokens of ``decode`` (a tokenizer), else words."""
+
+    def __init__(self, rng: random.Random, decode: Callable[[list[int]], str] | None, vocab: int):
+        self.rng, self.decode, self.vocab = rng, decode, vocab
+
+    def __call__(self, length: int) -> str:
+        if self.decode is None:
+            return " ".join(self.rng.choice(_WORDS) for _ in range(length))
+        return self.decode([self.rng.randrange(self.vocab) for _ in range(length)])
+
+
+def build(
+    workload: Workload,
+    num_requests: int,
+    input_len: tuple[int, int],
+    output_len: tuple[int, int],
+    seed: int,
+    text: Callable[[random.Random], TextMaker],
+    prefix_len: int = 512,
+    num_prefixes: int = 4,
+    turns: int = 4,
+) -> list[list[Turn]]:
+    """The requests, grouped: one group per conversation (multi-turn), else one per request.
+    Same arguments, same requests."""
+    rng = random.Random(seed)
+    make = text(rng)
+
+    def one(conversation: int = -1, turn: int = 0, prefix: str = "") -> Turn:
+        body = make(rng.randint(*input_len))
+        return Turn(prefix + body, rng.randint(*output_len), conversation, turn)
+
+    if workload == "random":
+        return [[one()] for _ in range(num_requests)]
+    if workload == "shared-prefix":
+        prefixes = [make(prefix_len) + " " for _ in range(num_prefixes)]
+        return [[one(prefix=prefixes[i % num_prefixes])] for i in range(num_requests)]
+    conversations = max(num_requests // turns, 1)
+    return [[one(c, t) for t in range(turns)] for c in range(conversations)]
