@@ -1,0 +1,182 @@
+"""Serving over HTTP, the way users meet it: the same `pagedserve bench` client drives
+`pagedserve up` and `transformers serve --continuous-batching` (and, for the ratio, the engine
+alone: `bench/serve.py --mode ours`), one after the other on one GPU.
+
+The model is a random-weight checkpoint of the shape asked for (``--shape 1b``: Llama-3.2-1B,
+``8b``: Llama-3.1-8B), bf16, saved with a word-level tokenizer of its whole vocabulary (token
+``i`` is the word ``w{i}``), so prompts of exact token lengths travel as text and every generated
+token streams as text. Both servers get the same requests (seeded): chat completions, prompts
+64-1024 tokens, ``max_tokens`` 32-512, greedy. pagedserve is sent ``ignore_eos``;
+``transformers serve`` refuses it, so its outputs may stop early at the model's EOS: throughput
+counts the tokens actually generated.
+
+    python bench/http_serve.py --shape 1b --requests 128 [--out DIR] [--skip-transformers]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from pagedserve.redis_server import free_port  # noqa: E402
+
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+
+
+def checkpoint(directory: Path, shape: str) -> Path:
+    """A random-weight bf16 checkpoint with a word-level tokenizer, built once."""
+    if (directory / "config.json").exists():
+        return directory
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+
+    from bench.serve import llama_1b_config
+
+    config = llama_1b_config()
+    if shape == "8b":
+        config = LlamaConfig(
+            vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+            num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+            max_position_embeddings=8192, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+            bos_token_id=128000, eos_token_id=128001,
+        )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(directory)
+    vocab = {f"w{i}": i for i in range(config.vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="w128000", eos_token="w128001", unk_token="w0"
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(directory)
+    return directory
+
+
+def wait_http(url: str, process: subprocess.Popen[bytes], timeout_s: float, ok: bool) -> None:
+    """Until ``url`` answers 200 (``ok``), or answers at all."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited with {process.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except urllib.error.HTTPError:
+            if not ok:
+                return
+            time.sleep(1)
+        except OSError:
+            time.sleep(1)
+    raise RuntimeError(f"{url} did not answer in {timeout_s} s")
+
+
+def bench(
+    url: str, model: str, model_dir: Path, requests: int, out: Path, ignore_eos: bool
+) -> dict[str, Any]:
+    command = [sys.executable, "-m", "pagedserve.cli", "bench", "--base-url", url, "--model", model]
+    command += ["--endpoint", "chat", "--tokenizer", str(model_dir), "--seed", "0"]
+    command += ["--num-requests", str(requests), "--input-len", "64:1024"]
+    command += ["--output-len", "32:512", "--result-json", str(out), "--no-progress"]
+    command += ["--ignore-eos" if ignore_eos else "--no-ignore-eos"]
+    subprocess.run(command, cwd=ROOT, check=True, timeout=3600)
+    return dict(json.loads(out.read_text()))
+
+
+def stop(process: subprocess.Popen[bytes]) -> None:
+    process.send_signal(signal.SIGINT)
+    try:
+        process.wait(120)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def run_pagedserve(model_dir: Path, requests: int, out: Path) -> dict[str, Any]:
+    port = free_port()
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    command = [sys.executable, "-m", "pagedserve.cli", "up", "--device", "cuda", "--port"]
+    command += [str(port), "--model", str(model_dir), "--redis-dir", str(out.parent / "redis")]
+    process = subprocess.Popen(command, cwd=ROOT, env=env)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", process, 900, ok=True)
+        url = f"http://127.0.0.1:{port}"
+        return bench(url, model_dir.name, model_dir, requests, out, ignore_eos=True)
+    finally:
+        stop(process)
+
+
+def run_transformers(model_dir: Path, requests: int, out: Path) -> dict[str, Any]:
+    port = free_port()
+    cli = "from transformers.cli.transformers import main; main()"
+    command = [sys.executable, "-c", cli, "serve", str(model_dir), "--port", str(port)]
+    command += ["--device", "cuda"]
+    command += ["--dtype", "bfloat16", "--continuous-batching", "--cb-use-cuda-graph"]
+    (Path.home() / ".cache" / "huggingface" / "hub").mkdir(parents=True, exist_ok=True)
+    process = subprocess.Popen(command, cwd=ROOT)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", process, 900, ok=False)
+        url = f"http://127.0.0.1:{port}"
+        return bench(url, str(model_dir), model_dir, requests, out, ignore_eos=False)
+    finally:
+        stop(process)
+
+
+def row(name: str, result: dict[str, Any]) -> str:
+    return (
+        f"| {name} | {result['completed']}/{result['completed'] + result['failed']} | "
+        f"{result['output_tok_s']:.0f} | {result['ttft_ms']['p50']:.0f} / "
+        f"{result['ttft_ms']['p99']:.0f} | {result['itl_ms']['p50']:.1f} / "
+        f"{result['itl_ms']['p99']:.1f} | {result['tpot_ms']['p50']:.1f} |"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=["1b", "8b"], default="1b")
+    parser.add_argument("--requests", type=int, default=128)
+    parser.add_argument("--out", type=Path, default=Path("/tmp/pagedserve-http-bench"))
+    parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--skip-engine", action="store_true")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    model_dir = checkpoint(args.out / f"model-{args.shape}", args.shape)
+    rows = ["| server | completed | output tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | "
+            "TPOT p50 ms |", "|---|---|---|---|---|---|"]  # fmt: skip
+    ours = run_pagedserve(model_dir, args.requests, args.out / "pagedserve.json")
+    rows.append(row("pagedserve (HTTP)", ours))
+    if not args.skip_transformers:
+        theirs = run_transformers(model_dir, args.requests, args.out / "transformers.json")
+        rows.append(row("transformers serve --continuous-batching (HTTP)", theirs))
+        print(f"pagedserve / transformers: {ours['output_tok_s'] / theirs['output_tok_s']:.2f}x")
+    if not args.skip_engine:
+        command = [sys.executable, "bench/serve.py", "--mode", "ours"]
+        command += ["--requests", str(args.requests)]
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=True)
+        engine = json.loads(done.stdout.strip().splitlines()[-1])
+        tok_s = engine["tokens"] / engine["seconds"]
+        print(f"engine alone (bench/serve.py, token-id prompts of the same lengths): {tok_s:.0f}")
+        print(f"HTTP / engine alone: {ours['output_tok_s'] / tok_s:.2f}")
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()
