@@ -211,8 +211,13 @@ class Generation:
                         APIError(504, "the request passed its deadline", code="request_timeout")
                     )
                 wait = left if wait is None else min(wait, left)
-            try:
-                i, item = await asyncio.wait_for(self._inbox.get(), wait)
+            try:  # a timer only when there is nothing to take now (a task per record costs)
+                inbox = self._inbox
+                i, item = (
+                    inbox.get_nowait()
+                    if inbox.qsize()
+                    else await asyncio.wait_for(inbox.get(), wait)
+                )
             except TimeoutError:
                 yield -1, None
                 continue
