@@ -33,7 +33,7 @@ import compute.attention  # noqa: F401  (registers the "paged" attention functio
 from bench.serve import serve_jobs, stack
 from compute.engine import Engine
 from compute.models import FAMILIES, byte_tokenizer, tiny_family_config
-from compute.runner import ScheduledChunk
+from compute.runner import Feed, ScheduledChunk
 from compute.scheduler import SchedulerConfig
 from contracts import queue_worker
 
@@ -67,13 +67,14 @@ def capture_logits(engine: Engine) -> dict[str, dict[int, torch.Tensor]]:
     assert runner is not None  # built when the engine registered with the kvstore
     forward = runner.forward
 
-    def recording(batch: Sequence[ScheduledChunk]) -> torch.Tensor:
-        logits = forward(batch)  # [B, vocab]
+    def recording(batch: Sequence[ScheduledChunk], feed: Feed | None = None) -> torch.Tensor:
+        logits = forward(batch, feed)  # [B, vocab]
         by_table = {id(s.block_ids): s for s in engine.scheduler.seqs.values()}
         for row, chunk in enumerate(batch):
             seq = by_table[id(chunk.block_ids)]
             end = chunk.start + len(chunk.token_ids)
-            if end == len(seq.token_ids) and end - seq.num_prompt < CAPTURED_POSITIONS:
+            last = len(seq.token_ids) + seq.inflight  # a fed chunk's token is in flight
+            if end == last and end - seq.num_prompt < CAPTURED_POSITIONS:
                 captured.setdefault(seq.seq_id, {})[end] = logits[row].float().cpu()
         return logits
 

@@ -169,7 +169,7 @@ def main() -> None:
         print(f"pagedserve / transformers: {ours['output_tok_s'] / theirs['output_tok_s']:.2f}x")
     if not args.skip_engine:
         command = [sys.executable, "bench/serve.py", "--mode", "ours"]
-        command += ["--requests", str(args.requests)]
+        command += ["--requests", str(args.requests), "--max-num-seqs", "256"]  # the worker's
         done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=True)
         engine = json.loads(done.stdout.strip().splitlines()[-1])
         tok_s = engine["tokens"] / engine["seconds"]

@@ -20,7 +20,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import cProfile
 import json
+import pstats
 import random
 import subprocess
 import sys
@@ -85,16 +87,25 @@ def build_model(config: LlamaConfig, attn: str) -> LlamaForCausalLM:
 
 
 # ----------------------------------------------------------------------------- ours
-@contextlib.contextmanager
-def stack(model_dir: str, kv_memory: str = "40") -> Iterator[tuple[str, str]]:
+def stack(
+    model_dir: str, kv_memory: str = "40"
+) -> contextlib.AbstractContextManager[tuple[str, str]]:
     """An embedded Redis and a kvstore daemon on CUDA; yields (kvstore endpoint, Redis URL)."""
+    return stack_on(
+        model_dir, ["--dtype", "bfloat16", "--device", "cuda", "--kv-memory", kv_memory]
+    )
+
+
+@contextlib.contextmanager
+def stack_on(model_dir: str, flags: list[str]) -> Iterator[tuple[str, str]]:
+    """An embedded Redis and a kvstore daemon for ``model_dir`` started with ``flags``; yields
+    (kvstore endpoint, Redis URL)."""
     from pagedserve.cli import spawn_kvstore
     from pagedserve.redis_server import EmbeddedRedis
 
     server = EmbeddedRedis.start()
     endpoint = f"ipc:///tmp/pagedserve-bench-{uuid.uuid4().hex[:8]}.sock"
-    flags = ["--model", model_dir, "--dtype", "bfloat16", "--device", "cuda"]
-    flags += ["--kv-memory", kv_memory, "--log-level", "WARNING"]
+    flags = ["--model", model_dir, *flags, "--log-level", "WARNING"]
     kvstore = spawn_kvstore(endpoint, flags, 300)
     try:
         yield endpoint, server.url
@@ -131,6 +142,7 @@ def serve_jobs(engine: Engine, url: str, jobs: Jobs, tag: str) -> dict[str, Any]
 
     r = redis.Redis.from_url(url)
     engine.phase_s.clear()
+    device_s, fed = engine.model_step.device_s, engine.model_step.tokens_fed
     start = time.perf_counter()
     asyncio.run(submit())
     steps = 0
@@ -146,10 +158,18 @@ def serve_jobs(engine: Engine, url: str, jobs: Jobs, tag: str) -> dict[str, Any]
     tokens = sum(len(s.sequences[0].token_ids) for s in streamed)
     assert tokens == sum(m for _, m in jobs), "lost tokens"
     phases = {k: round(v, 3) for k, v in engine.phase_s.items()}
-    return {"seconds": seconds, "tokens": tokens, "steps": steps, "phases": phases}
+    model = engine.model_step
+    return {
+        "seconds": seconds,
+        "tokens": tokens,
+        "steps": steps,
+        "phases": phases,
+        "device_s": round(model.device_s - device_s, 3),
+        "tokens_fed": model.tokens_fed - fed,
+    }
 
 
-def run_ours(jobs: Jobs, seqs: int, cuda_graphs: int) -> dict:
+def run_ours(jobs: Jobs, seqs: int, cuda_graphs: int, cprofile: bool = False) -> dict:
     import compute.attention  # noqa: F401  (registers the "paged" attention function)
     from compute.engine import Engine
     from compute.models import byte_tokenizer
@@ -180,7 +200,13 @@ def run_ours(jobs: Jobs, seqs: int, cuda_graphs: int) -> dict:
             capture_s = time.perf_counter() - started
             serve_jobs(engine, url, jobs[:4], "warmup")  # compiles the kernels
             kv.call(p.ResetCache())  # the timed run must not hit the warm-up's prompts
+            profiler = cProfile.Profile() if cprofile else None
+            if profiler is not None:
+                profiler.enable()
             result = serve_jobs(engine, url, jobs, "run")
+            if profiler is not None:  # the host's view of the timed run, on stderr
+                profiler.disable()
+                pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(30)
             stats = kv.call(p.GetStats(0))
     result["preemptions"] = stats.preemptions
     result["prefix_hit_tokens"] = stats.prefix_hit_tokens
@@ -250,7 +276,7 @@ def run_hf_static(jobs: Jobs, batch: int = 32) -> dict:
 def one_run(args: argparse.Namespace) -> dict:
     jobs = workload(args.requests)
     if args.mode == "ours":
-        return run_ours(jobs, args.max_num_seqs, args.cuda_graphs)
+        return run_ours(jobs, args.max_num_seqs, args.cuda_graphs, args.profile)
     if args.mode == "hf-cb":
         return run_hf_continuous(jobs)
     return run_hf_static(jobs)
@@ -274,6 +300,7 @@ def main() -> None:
     parser.add_argument("--cuda-graphs", type=int, default=256, help="0: eager decode steps")
     parser.add_argument("--skip-baselines", action="store_true")
     parser.add_argument("--mode", choices=["ours", "hf-cb", "hf-static"])
+    parser.add_argument("--profile", action="store_true", help="ours: cProfile to stderr")
     args = parser.parse_args()
     if args.mode:
         print(json.dumps(one_run(args)))
@@ -304,8 +331,9 @@ def main() -> None:
     for name, res in runs:
         if res and "phases" in res:
             print(f"# {name}: {res['steps']} steps, host seconds per phase {res['phases']}, "
-                  f"startup {res['startup_s']} s, preemptions {res['preemptions']}, "
-                  f"prefix hit tokens {res['prefix_hit_tokens']}")  # fmt: skip
+                  f"device seconds {res['device_s']}, tokens fed from the device "
+                  f"{res['tokens_fed']}, startup {res['startup_s']} s, preemptions "
+                  f"{res['preemptions']}, prefix hits {res['prefix_hit_tokens']}")  # fmt: skip
 
 
 if __name__ == "__main__":

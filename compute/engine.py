@@ -1,16 +1,17 @@
 """The compute worker's engine loop: Redis requests in, token deltas out, KV in the kvstore's pool.
 
-One step (single-threaded):
+One step (single-threaded), with the device's work overlapped by the host's
+(``compute.model_step``; docs/architecture.md, "One engine step"):
 1. take new requests from the Redis consumer group while there is room;
-2. run one packed forward over the scheduler's chunks (decodes first, then prefill chunks),
-   after performing the copy-on-write copies the kvstore asked for;
-3. sample, check stop conditions;
-4. one kvstore round trip (``compute.kvsync``): free finished sequences, report every running
-   sequence's new tokens and computed count, resume/admit what fits; when the kvstore has no
-   block for a running sequence, preempt the latest arrival (the kvstore's cost model picks swap
-   or recompute) and retry, one more round trip each;
-5. one Redis round trip: publish the deltas, ack finished requests, check for aborts and for
-   gateways that went away (their requests are aborted: nobody would read them).
+2. launch the next model step (plan, copy-on-write copies, pack, forward and token draw enqueued
+   on the device; decodes whose last token is still on the device are fed from it);
+3. process the step launched before (its ids, stop checks and detokenization, forks, ends);
+4. send one kvstore ``Step`` (``compute.kvsync``): free finished sequences, report every
+   running sequence's new tokens and computed count, resume/admit what fits;
+5. hand the deltas, acks and abort/gateway checks to Redis as one pipelined batch
+   (``compute.publisher``; the replies are read a step later);
+6. apply the kvstore's reply; when it has no block for a running sequence, preempt the latest
+   arrival (the kvstore's cost model picks swap or recompute) and retry, one more round trip.
 
 ``n > 1``: a request's first sampling row draws n tokens (one seeded stream per branch); the
 branches beyond the first are forked from it at the kvstore in the same step (the prompt's blocks
@@ -40,19 +41,21 @@ import logging
 import os
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import redis
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from compute.kvsync import Diverged, KVSync
+from compute.model_step import ModelStep
+from compute.publisher import Publisher
 from compute.registry import Requests
 from compute.requests import Active, output_record
-from compute.runner import ModelRunner, ScheduledChunk
-from compute.sampling import RowState, sample
+from compute.runner import ModelRunner
 from compute.scheduler import Scheduler, SchedulerConfig
 from contracts import queue_keys, queue_worker
 from contracts.records import FinishReason, OutputRecord, RecordError, RequestRecord
+from contracts.tokenizer import output_decoder
 from kvstore import protocol as p
 from kvstore.client import KVClient, KVStoreError, KVStoreTimeout
 from kvstore.mapping import map_pool
@@ -62,6 +65,7 @@ log = logging.getLogger("pagedserve.compute")
 RECOVERABLE = (KVStoreTimeout, KVStoreError, redis.RedisError, Diverged)
 RETRY_MAX_S = 5.0
 GATEWAY_MISSING_S = 5.0  # a gateway's liveness key missing this long: the gateway is gone
+POLL_S = 0.005  # a busy engine that found no new request looks again after this long
 
 
 class Engine:
@@ -92,12 +96,15 @@ class Engine:
         self.claim_idle_ms = claim_idle_ms
         self.cuda_graph_max_batch = cuda_graph_max_batch
         eos = model.generation_config.eos_token_id
+        self._decode = output_decoder(tokenizer)
         self.eos_ids = {eos} if isinstance(eos, int) else set(eos or [])
         self.accepting = True  # takes new requests from Redis
-        self.tokens_computed = 0  # tokens run through the model (prefill + decode), a counter
-        # host seconds per phase of step(): redis_in (incl. waiting for requests), model
-        # (forward, sampling: it waits for the GPU), kvstore, redis_out
+        # host seconds per phase of step(): redis_in (incl. waiting for requests), launch (plan,
+        # pack, enqueue the forward and the draw), process (waiting for the device, then the
+        # tokens' host work), kvstore, redis_out (handing the records to the publisher)
         self.phase_s: dict[str, float] = defaultdict(float)
+        self.steps = 0  # a counter
+        self.publisher = Publisher(r)
         self.runner: ModelRunner | None = None
         self._pool: p.PoolInfo | None = None
         self._connect(redeliver=True)
@@ -114,9 +121,14 @@ class Engine:
         self.scheduler = Scheduler(self.config, reply.pool.block_size)
         self.requests = Requests(self.scheduler, self._decode, self.eos_ids, self.worker_id)
         self.kvsync = KVSync(self.kv, self.worker_id, self.requests)
+        assert self.runner is not None
+        self.model_step = ModelStep(
+            self.runner, self.requests, self.kvsync, self._decode, self.phase_s
+        )
         self._finals: list[OutputRecord] = []  # ended requests' records, to publish
         self._acks: list[str] = []  # their entries, to ack
         self._next_lease_check = 0.0
+        self._next_poll = 0.0  # the next look for new requests while busy
         self._missing_since: dict[str, float] = {}  # gateway -> when its key was first missed
         queue_worker.ensure_group(self.redis)
         for entry_id, record in queue_worker.claim_own(self.redis, self.worker_id, redeliver):
@@ -152,6 +164,8 @@ class Engine:
         and the kvstore hold it) and connects again, retrying with backoff until it works or
         ``stop()``."""
         log.warning("worker %s lost the kvstore or Redis (%s); rebuilding", self.worker_id, error)
+        self.model_step.drop()
+        self._drain_publisher()
         delay = 0.25
         while not stop():
             try:
@@ -162,39 +176,68 @@ class Engine:
                 time.sleep(delay)
                 delay = min(2 * delay, RETRY_MAX_S)
 
+    def _drain_publisher(self) -> None:
+        """Waits for the publisher's job; its error (Redis away) is the recovery's to handle."""
+        try:
+            self.publisher.wait()
+        except redis.RedisError as err:
+            log.warning("the last records were not published: %s", err)
+
     @property
     def active(self) -> dict[str, Active]:
         return self.requests.active
 
     @property
     def idle(self) -> bool:
-        """No request in hand and nothing left to publish."""
-        return not self.active and not self._finals
+        """No request in hand, no step on the device and nothing left to publish."""
+        return (
+            not self.active
+            and not self._finals
+            and self.model_step.inflight is None
+            and self.publisher.idle
+        )
+
+    @property
+    def tokens_computed(self) -> int:
+        """Tokens run through the model (prefill + decode) by this state, a counter."""
+        return self.model_step.tokens_computed
 
     # ------------------------------------------------------------------ the loop
     def step(self, block_ms: int | None = None) -> bool:
-        """One engine step; False when there was nothing to do."""
+        """One engine step; False when there was nothing to do. Launches the next model step,
+        then processes the one launched before (its host work overlaps the device's work on
+        the new one), then one kvstore call and one Redis job (on the publisher's thread)."""
         clock = time.perf_counter()
         self._take_requests(block_ms if self.idle else None)
         clock = self._phase("redis_in", clock)
-        records, done, computed = self._forward_and_sample()
-        clock = self._phase("model", clock)
-        for refusal in {id(r.active): r for r in self.kvsync.step(computed)}.values():
-            log.error("request %s failed: %s", refusal.active.record.req_id, refusal.message)
-            self._end(refusal.active, "error", refusal.message)
+        model = self.model_step
+        launched = model.launch()
+        clock = self._phase("launch", clock)
+        earlier, model.inflight = model.inflight, launched
+        outputs = [model.process(earlier)] if earlier is not None else []
+        if launched is not None and launched.sync:
+            model.inflight = None
+            outputs.append(model.process(launched))
+        clock = self._phase("process", clock)
+        sent = self.kvsync.send({seq_id for out in outputs for seq_id in out.computed})
         clock = self._phase("kvstore", clock)
-        records += self._finals
-        acks = [a.entry_id for a in done] + self._acks
+        records = [record for out in outputs for record in out.records] + self._finals
+        acks = [a.entry_id for out in outputs for a in out.done] + self._acks
         self._finals, self._acks = [], []
         active = self.active
-        checked = queue_worker.step(
-            self.redis, records, acks, list(active), self.requests.gateways()
-        )
-        self._phase("redis_out", clock)
-        for req_id in checked.aborted:
-            self._end(active[req_id], "abort")
-        self._end_orphans(checked.gateways_gone)
-        return bool(self.active) or bool(records)
+        checked = self.publisher.submit(records, acks, list(active), self.requests.gateways())
+        clock = self._phase("redis_out", clock)  # while the kvstore works on the Step
+        for refusal in {id(r.active): r for r in self.kvsync.receive(sent)}.values():
+            log.error("request %s failed: %s", refusal.active.record.req_id, refusal.message)
+            self._end(refusal.active, "error", refusal.message)
+        self._phase("kvstore", clock)
+        if checked is not None:
+            for req_id in checked.aborted:
+                if req_id in active:
+                    self._end(active[req_id], "abort")
+            self._end_orphans(checked.gateways_gone)
+        self.steps += 1
+        return bool(self.active) or bool(records) or model.inflight is not None
 
     def _end_orphans(self, missing: set[str]) -> None:
         """Ends the requests of the gateways whose liveness key has been missing for
@@ -229,10 +272,12 @@ class Engine:
                     room -= self._take_over(entry_id, record)
         if room <= 0 or not self.accepting:
             return
-        for entry_id, record in queue_worker.read_requests(
-            self.redis, self.worker_id, room, block_ms
-        ):
+        if block_ms is None and time.monotonic() < self._next_poll:
+            return  # the last look found nothing: a busy loop looks again in POLL_S
+        taken = queue_worker.read_requests(self.redis, self.worker_id, room, block_ms)
+        for entry_id, record in taken:
             self.requests.start(entry_id, record)
+        self._next_poll = 0.0 if taken else time.monotonic() + POLL_S
 
     def _renew_leases(self) -> None:
         """Keeps other workers from taking over this one's requests (``queue_worker.touch``); stops
@@ -243,7 +288,7 @@ class Engine:
             log.warning(
                 "request %s was taken over by another worker", entries[entry_id].record.req_id
             )
-            self.kvsync.frees += self.requests.remove(entries[entry_id])
+            self.model_step.free_later(self.requests.remove(entries[entry_id]))
 
     def _take_over(self, entry_id: str, record: RequestRecord) -> int:
         """A request whose worker died (or this one before it lost track of it): continue it
@@ -263,116 +308,13 @@ class Engine:
         self.requests.resume_streamed(entry_id, record, streamed)
         return 1
 
-    def _decode(self, token_ids: Sequence[int]) -> str:
-        """Output text, special tokens (BOS, PAD, ...) left out as vLLM does by default."""
-        return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
-
-    def _forward_and_sample(self) -> tuple[list[OutputRecord], list[Active], set[str]]:
-        """The step's forward pass and token choice. Returns the deltas, the requests that are
-        done and the ids of the sequences whose KV was computed. Finished sequences go to the
-        kvstore's frees, new branches to its forks."""
-        chunks = self.scheduler.schedule()
-        if not chunks:
-            return [], [], set()
-        assert self.runner is not None
-        self.runner.copy_blocks(self.kvsync.copies)
-        self.kvsync.copies = []
-        batch = [
-            ScheduledChunk(
-                c.seq.token_ids[c.start : c.start + c.num_tokens], c.start, c.seq.block_ids
-            )
-            for c in chunks
-        ]
-        logits = self.runner.forward(batch)  # [chunks, vocab]
-        self.tokens_computed += sum(c.num_tokens for c in chunks)
-        # Sampling rows: one per sampling chunk, n for a request's first token (its n branches).
-        rows: list[int] = []
-        owners: list[tuple[Active, int]] = []
-        states: list[RowState] = []
-        searches: dict[str, Active] = {}  # beam searches that got logits this step
-        own_index: dict[int, int] = {}  # chunk -> the branch index whose sequence it is
-        for i, chunk in enumerate(chunks):
-            if not chunk.samples:
-                continue
-            if (beam_owner := self.requests.beam_search(chunk.seq.seq_id)) is not None:
-                beam_owner.beams.computed(chunk.seq, logits[i])  # type: ignore[union-attr]
-                searches[beam_owner.record.req_id] = beam_owner
-                continue
-            found = self.requests.branch(chunk.seq.seq_id)
-            assert found is not None, f"{chunk.seq.seq_id}: a chunk of no branch"
-            active, branch = found
-            own_index[i] = branch.index
-            params = active.record.params
-            fan_out = params.n if branch.stop.num_generated == 0 and branch.index == 0 else 1
-            if fan_out > 1:  # the n - 1 branches forked below are live from now on
-                active.live += fan_out - 1
-            for k in range(branch.index, branch.index + fan_out):
-                rows.append(i)
-                owners.append((active, k))
-                states.append(RowState(params, k, branch.stop.num_generated))
-        tokens = sample(logits[rows], states).token_ids.tolist() if rows else []
-        own = {i: t for i, (_, k), t in zip(rows, owners, tokens, strict=True) if k == own_index[i]}
-        for i, chunk in enumerate(chunks):
-            self.scheduler.computed(chunk, own.get(i))
-        records: list[OutputRecord] = []
-        frees: list[str] = []
-        for (active, k), token in zip(owners, tokens, strict=True):
-            forked = k not in active.branches  # a new branch, forked from the first
-            branch = self.requests.fork_branch(active, k, token) if forked else active.branches[k]
-            update = branch.stop.append(token)
-            if update.finish_reason is not None:
-                active.live -= 1
-                if forked:  # it ends where it starts: the kvstore never needs to know it
-                    self.requests.finish(branch.seq.seq_id)
-                else:
-                    frees.append(branch.seq.seq_id)
-            elif forked:
-                self.kvsync.forks.setdefault(active.branches[0].seq.seq_id, []).append(
-                    branch.seq.seq_id
-                )
-            offset = branch.stop.num_generated - 1
-            final = active.live == 0
-            records.append(
-                output_record(active, k, [token], update.finish_reason, final, update.text, offset)
-            )
-        for active in searches.values():
-            records += self._beam_round(active, frees)
-        for seq_id in frees:
-            self.requests.finish(seq_id)
-        self.kvsync.frees += frees
-        done = [a for a in self.active.values() if a.live == 0]
-        for active in done:
-            self.requests.done(active)
-        return records, done, {c.seq.seq_id for c in chunks}
-
-    def _beam_round(self, active: Active, frees: list[str]) -> list[OutputRecord]:
-        """Advances a beam search whose live beams all have their logits; adds the sequences
-        it drops to ``frees``. Once it is done, the request's n best hypotheses."""
-        beams = active.beams
-        assert beams is not None
-        if not beams.ready():
-            return []
-        round_ = beams.advance(self.scheduler)
-        frees += round_.frees
-        for parent, children in round_.forks.items():
-            self.kvsync.forks.setdefault(parent, []).extend(children)
-            self.requests.add_beams(active, children)
-        if not beams.done:
-            return []
-        active.live = 0
-        best = beams.best(active.record.params.n, self._decode)
-        return [
-            output_record(active, k, tokens, reason, k == len(best) - 1, text)
-            for k, (tokens, reason, text) in enumerate(best)
-        ]
-
     def _end(self, active: Active, reason: FinishReason, error: str | None = None) -> None:
         """Ends a request before it finished (a client abort, its gateway gone, a refusal): its
         sequences are forgotten now and freed at the kvstore in the next step; its final record
         is published and its entry acked in the next Redis round trip."""
         if active.record.req_id not in self.active:  # ended already
             return
-        self.kvsync.frees += self.requests.remove(active)
+        self.model_step.free_later(self.requests.remove(active))
         self._finals.append(output_record(active, 0, [], reason, final=True, error=error))
         self._acks.append(active.entry_id)
 
@@ -392,6 +334,8 @@ class Engine:
                 self.step(block_ms=100)
             except RECOVERABLE as err:
                 self.recover(err, lambda: len(signals) >= 2)
+        self._drain_publisher()
+        self.publisher.close()
         try:
             self.kv.call(p.Unregister(self.worker_id))
         except (KVStoreTimeout, KVStoreError) as err:

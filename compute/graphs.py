@@ -20,6 +20,7 @@ import torch
 from transformers import PreTrainedModel
 
 from compute.attention import PagedBatch
+from compute.transfer import to_device
 
 log = logging.getLogger("pagedserve.compute")
 
@@ -96,33 +97,39 @@ class DecodeGraphs:
         )
         return out.logits[0]  # [size, vocab]
 
-    def replay(
+    def load(
         self,
         ids: list[int],
         positions: list[int],
         slots: list[int],
         table: list[list[int]],
         context_lens: list[int],
-    ) -> torch.Tensor:
-        """One decode step of len(ids) <= max_batch requests; logits [B, vocab] (a view into the
-        graph's output: read it before the next replay)."""
+    ) -> None:
+        """Copies one decode step of len(ids) <= max_batch requests into the static inputs
+        (the rest of its bucket padded); ``replay`` runs it (the caller may change
+        ``input_ids`` in between, on the device)."""
         batch = len(ids)
-        size = next(s for s in self.buckets if s >= batch)
+        size = self._bucket(batch)
         pad = size - batch
         device = self.pool.device
 
         def put(dst: torch.Tensor, values: list[int], dtype: torch.dtype) -> None:
-            dst.copy_(torch.tensor(values, dtype=dtype), non_blocking=True)
+            dst.copy_(to_device(values, device, dtype))
 
         put(self.input_ids[0, :size], ids + [0] * pad, torch.int64)
         put(self.positions[0, :size], positions + [0] * pad, torch.int64)
         put(self.slots[:size], slots + [-1] * pad, torch.int64)
         put(self.context[:size], context_lens + [0] * pad, torch.int32)
         width = len(table[0])
-        self.tables[:batch, :width].copy_(
-            torch.tensor(table, dtype=torch.int32).to(device, non_blocking=True)
-        )
-        graph, logits = self.graphs[size]
+        self.tables[:batch, :width].copy_(to_device(table, device, torch.int32))
+
+    def replay(self, batch: int) -> torch.Tensor:
+        """Runs the step ``load`` copied in; logits [batch, vocab] (a view into the graph's
+        output: read it, or enqueue what reads it, before the next replay)."""
+        graph, logits = self.graphs[self._bucket(batch)]
         graph.replay()
         self.replays += 1
         return logits[:batch]
+
+    def _bucket(self, batch: int) -> int:
+        return next(s for s in self.buckets if s >= batch)

@@ -16,6 +16,7 @@ requests from Redis and adopts their blocks again, as after an outage.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from compute.registry import Requests
@@ -40,6 +41,15 @@ class Refusal:
     message: str
 
 
+@dataclass(frozen=True)
+class Sent:
+    """A Step sent to the kvstore whose reply is not applied yet."""
+
+    body: p.Step
+    call_id: int
+    reporting: list[str]  # sequences whose unreported tokens it reports
+
+
 @dataclass
 class KVSync:
     kv: KVClient
@@ -48,43 +58,55 @@ class KVSync:
     forks: dict[str, list[str]] = field(default_factory=dict)  # parent -> children, to send
     frees: list[str] = field(default_factory=list)  # sequences to free, to send
     copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) the runner owes
+    # Waits until no launched step can still write the pool; called before a preemption, whose
+    # swap-out reads the victim's blocks and whose freed blocks may go to another request.
+    quiesce: Callable[[], None] = field(default=lambda: None)
 
     def step(self, computed: set[str]) -> list[Refusal]:
+        """``send`` then ``receive``: one whole kvstore step."""
+        return self.receive(self.send(computed))
+
+    def send(self, computed: set[str]) -> Sent:
         """Sends the step's forks and frees, reports the progress of every running sequence
         ``computed`` this step or holding unreported tokens (decodes as one columnar
-        TokenBatch), resumes and admits what the scheduler places; applies the reply."""
+        TokenBatch), resumes and admits what the scheduler places. Returns without waiting
+        for the reply; ``receive`` applies it (nothing may change the scheduler in between)."""
         scheduler = self.requests.scheduler
         forks = [p.ForkItem(parent, children) for parent, children in self.forks.items()]
         frees, self.forks, self.frees = self.frees, {}, []
         decodes, appends = [], []
         for seq in scheduler.running():
-            if len(seq.unreported) == 1 and seq.num_computed == seq.num_reported:
+            if len(seq.unreported) == 1 and seq.num_done == seq.num_reported:
                 decodes.append(seq)
             elif seq.unreported or seq.seq_id in computed:
-                appends.append(p.AppendItem(seq.seq_id, seq.unreported, seq.num_computed))
+                appends.append(p.AppendItem(seq.seq_id, seq.unreported, seq.num_done))
         tokens = (
             p.TokenBatch(
                 [s.seq_id for s in decodes],
                 [s.token_ids[-1] for s in decodes],
-                [s.num_computed for s in decodes],
+                [s.num_done for s in decodes],
             )
             if decodes
             else None
         )
         to_place = scheduler.to_place()
         reporting = [s.seq_id for s in decodes] + [a.req_id for a in appends]
-        reply = self.call(
-            p.Step(
-                self.worker_id,
-                frees=frees,
-                forks=forks,
-                appends=appends,
-                tokens=tokens,
-                resumes=[s.seq_id for s in to_place if s.status is SeqStatus.PREEMPTED],
-                admits=[self._admit_item(s) for s in to_place if s.status is SeqStatus.WAITING],
-            )
+        body = p.Step(
+            self.worker_id,
+            frees=frees,
+            forks=forks,
+            appends=appends,
+            tokens=tokens,
+            resumes=[s.seq_id for s in to_place if s.status is SeqStatus.PREEMPTED],
+            admits=[self._admit_item(s) for s in to_place if s.status is SeqStatus.WAITING],
         )
-        return self._apply(reply, reporting)
+        return Sent(body, self.kv.send(body), reporting)
+
+    def receive(self, sent: Sent) -> list[Refusal]:
+        """Waits for the reply to ``sent`` and applies it (see ``_apply``)."""
+        reply = self.kv.receive(sent.body, sent.call_id)
+        assert isinstance(reply, p.StepReply)
+        return self._apply(reply, sent.reporting)
 
     def call(self, body: p.Step) -> p.StepReply:
         return self.kv.call(body)
@@ -138,13 +160,14 @@ class KVSync:
                 return refusals
             victim = scheduler.victim()
             assert victim is not None, "no running sequence to preempt"
+            self.quiesce()
             retry = [scheduler.seqs[r] for r in starved if r != victim.seq_id]
             reporting = [seq.seq_id for seq in retry]
             reply = self.call(
                 p.Step(
                     self.worker_id,
                     preempts=[victim.seq_id],
-                    appends=[p.AppendItem(s.seq_id, s.unreported, s.num_computed) for s in retry],
+                    appends=[p.AppendItem(s.seq_id, s.unreported, s.num_done) for s in retry],
                 )
             )
             log.info("preempted %s for lack of blocks: %s", victim.seq_id, reply.preempted)

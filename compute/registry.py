@@ -42,10 +42,12 @@ class Requests:
     # ------------------------------------------------------------------ entering
     def start(self, entry_id: str, record: RequestRecord) -> Active:
         """A request from its first token: its first branch, or its beam search's root."""
-        seq = self.scheduler.add(record.req_id, record.prompt_token_ids)
+        beams = record.params.beam_width > 1
+        limit = None if beams else record.params.max_tokens
+        seq = self.scheduler.add(record.req_id, record.prompt_token_ids, max_tokens=limit)
         active = Active(entry_id, record, {})
         self.active[record.req_id] = active
-        if record.params.beam_width > 1:
+        if beams:
             active.beams = BeamGroup(seq, record.params, self._eos_ids, self._worker_id)
             self._beams[seq.seq_id] = active
         else:
@@ -70,7 +72,11 @@ class Requests:
             seq_id = record.req_id if index == 0 else f"{record.req_id}#{index}"
             generated = streamed_seq.token_ids
             branch = self.add_branch(
-                active, self.scheduler.add(seq_id, record.prompt_token_ids, generated), index
+                active,
+                self.scheduler.add(
+                    seq_id, record.prompt_token_ids, generated, record.params.max_tokens
+                ),
+                index,
             )
             self.adopting.add(seq_id)
             active.live += 1

@@ -18,9 +18,10 @@ from transformers import PreTrainedModel
 
 from compute.attention import ATTN_NAME, PagedBatch, copy_blocks_inplace
 from compute.graphs import DecodeGraphs
+from compute.transfer import to_device
 from contracts.model_config import kv_geometry
 
-__all__ = ["ModelRunner", "ScheduledChunk"]
+__all__ = ["Feed", "ModelRunner", "ScheduledChunk"]
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,16 @@ class Packed:
     cu: list[int]  # [B + 1] row offsets
     context_lens: list[int]  # [B]
     table: list[list[int]]  # [B, width] block tables, zero-padded
+
+
+@dataclass(frozen=True)
+class Feed:
+    """Tokens of a step that are on the device only: chunk ``chunks[i]`` (one token) takes
+    ``source[rows[i]]``, a token drawn by the step before, in place of its host token id."""
+
+    source: torch.Tensor  # [R] int64 on the device
+    rows: list[int]
+    chunks: list[int]
 
 
 @dataclass(frozen=True)
@@ -102,8 +113,8 @@ class ModelRunner:
         destination blocks."""
         if not copies:
             return
-        src = torch.tensor([s for s, _ in copies], dtype=torch.int64, device=self.device)  # [N]
-        dst = torch.tensor([d for _, d in copies], dtype=torch.int64, device=self.device)  # [N]
+        src = to_device([s for s, _ in copies], self.device)  # [N]
+        dst = to_device([d for _, d in copies], self.device)  # [N]
         copy_blocks_inplace(self.pool, src, dst)
 
     def pack(self, batch: Sequence[ScheduledChunk]) -> Packed:
@@ -139,7 +150,7 @@ class ModelRunner:
         packed = self.pack(batch)
 
         def tensor(values: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+            return to_device(values, self.device, dtype)
 
         cu = packed.cu
         inputs = {
@@ -161,15 +172,33 @@ class ModelRunner:
         return inputs, paged
 
     @torch.inference_mode()
-    def forward(self, batch: Sequence[ScheduledChunk]) -> torch.Tensor:
+    def forward(self, batch: Sequence[ScheduledChunk], feed: Feed | None = None) -> torch.Tensor:
         """Writes the KV of every scheduled token into the pool; returns logits [B, vocab] of
-        each request's last scheduled token (fp32), in batch order."""
+        each request's last scheduled token (fp32), in batch order. ``feed``: chunks whose
+        token is taken from the device (their host token id is a placeholder). Enqueues the
+        work; waits for the device only where an eager model does."""
         graphs = self.graphs
         decodes = all(len(chunk.token_ids) == 1 for chunk in batch)
         if graphs is not None and decodes and len(batch) <= graphs.max_batch:
             p = self.pack(batch)
             if len(p.table[0]) <= graphs.max_blocks:  # else: a context past the model's length
-                return graphs.replay(p.ids, p.positions, p.slots, p.table, p.context_lens).float()
+                graphs.load(p.ids, p.positions, p.slots, p.table, p.context_lens)
+                if feed is not None:  # one token per chunk: chunk i is input row i
+                    self._scatter(graphs.input_ids[0], feed, feed.chunks)
+                return graphs.replay(len(batch)).float()
         inputs, paged = self.prepare(batch)
+        if feed is not None:
+            cu = self.pack_offsets(batch)
+            self._scatter(inputs["input_ids"][0], feed, [cu[i] for i in feed.chunks])
         out = self.model(**inputs, use_cache=False, paged=paged)
         return out.logits[0].float()  # [B, vocab]
+
+    def _scatter(self, input_ids: torch.Tensor, feed: Feed, positions: list[int]) -> None:
+        """input_ids[positions[i]] = feed.source[feed.rows[i]], on the device."""
+        rows = to_device(feed.rows, self.device)
+        input_ids.index_copy_(0, to_device(positions, self.device), feed.source[rows])
+
+    @staticmethod
+    def pack_offsets(batch: Sequence[ScheduledChunk]) -> list[int]:
+        """Where each chunk's tokens start in the packed input."""
+        return list(itertools.accumulate((len(c.token_ids) for c in batch), initial=0))

@@ -108,12 +108,14 @@ def sample(logits: torch.Tensor, rows: Sequence[RowState]) -> SampleOutput:
     logits = logits.float()
     device = logits.device
     temps = torch.tensor([r.params.temperature for r in rows], dtype=torch.float32)  # [B]
-    greedy = (temps == 0).to(device)  # [B]
     token_ids = logits.argmax(dim=-1)  # [B]
-    if not bool(greedy.all()):
-        temps = torch.where(temps == 0, 1.0, temps).to(device)  # [B]
-        top_k = torch.tensor([r.params.top_k for r in rows], dtype=torch.int64, device=device)
-        top_p = torch.tensor([r.params.top_p for r in rows], dtype=torch.float32, device=device)
+    if any(r.params.temperature > 0 for r in rows):  # decided on the host: no device sync
+        greedy = (temps == 0).to(device, non_blocking=True)  # [B]
+        temps = torch.where(temps == 0, 1.0, temps).to(device, non_blocking=True)  # [B]
+        top_k = torch.tensor([r.params.top_k for r in rows], dtype=torch.int64)
+        top_p = torch.tensor([r.params.top_p for r in rows], dtype=torch.float32)
+        top_k = top_k.to(device, non_blocking=True)  # [B]; no wait for the device
+        top_p = top_p.to(device, non_blocking=True)  # [B]
         filtered = filter_logits(logits / temps[:, None], top_k, top_p)  # [B, vocab]
         probs = filtered.softmax(dim=-1)  # [B, vocab]
         race = probs / _exponentials(probs.shape, rows, device)  # [B, vocab]

@@ -5,6 +5,13 @@ which one is preempted when the kvstore runs out of blocks.
 Pure Python, owned and called by the engine loop's single thread. Block tables only ever come
 from the kvstore's replies (``placed``/``grown``); the scheduler never invents a block id.
 
+Overlap (``compute.overlap``): a step is launched before the previous one's tokens reach the
+host. A sequence whose last sampled token is still on the device (``inflight``) runs its next
+decode with that token fed from the device (a ``fed`` chunk), provided its block table already
+has the slot and its ``max_len`` allows another token; otherwise it waits a step.
+``num_computed`` counts launched work, ``num_done`` the work of processed steps (what the kvstore
+is told).
+
 Policy (as vLLM / SGLang with chunked prefill):
 - decodes first, every running sequence that has exactly one token to compute, oldest first;
 - then prefill chunks of running sequences, oldest first, as far as the token budget goes;
@@ -35,15 +42,32 @@ class Sequence:
     token_ids: list[int]  # prompt + generated
     num_prompt: int
     status: SeqStatus = SeqStatus.WAITING
-    num_computed: int = 0  # tokens whose KV this worker has written
+    max_len: int = 1 << 62  # prompt + max_tokens: no token is sampled past it
+    num_computed: int = 0  # tokens whose KV this worker has written or launched a step to write
+    num_done: int = 0  # tokens whose KV is written by steps already processed
     num_reported: int = 0  # tokens the kvstore knows (and has blocks for)
+    inflight: int = 0  # tokens sampled on the device that the host does not know yet
+    feedable: bool = False  # the last in-flight token may feed the next step from the device
     block_ids: list[int] = field(default_factory=list)
 
     @property
     def num_pending(self) -> int:
-        """Tokens to compute now: only those the kvstore knows, so their blocks (and any
-        copy-on-write) exist; a sampled token is computed after an append reported it."""
-        return self.num_reported - self.num_computed
+        """Known tokens to compute now: only those the kvstore knows, so their blocks (and any
+        copy-on-write) exist; a sampled token is computed after an append reported it, unless it
+        is fed from the device (``can_feed``)."""
+        return self.num_reported - self.num_computed if not self.inflight else 0
+
+    def can_feed(self, block_size: int) -> bool:
+        """Its one in-flight token can run next, fed from the device: nothing else is pending,
+        the token's slot is in the table already, and another token may follow it."""
+        position = len(self.token_ids)  # of the in-flight token
+        return (
+            self.inflight == 1
+            and self.feedable
+            and self.num_computed == position
+            and position < len(self.block_ids) * block_size
+            and position + 1 < self.max_len
+        )
 
     @property
     def unreported(self) -> list[int]:
@@ -58,18 +82,19 @@ class Chunk:
     seq: Sequence
     start: int
     num_tokens: int
+    fed: bool = False  # one token, the in-flight one, fed from the device
 
     @property
     def samples(self) -> bool:
         """The chunk reaches the sequence's last token: its logits give the next token."""
-        return self.start + self.num_tokens == len(self.seq.token_ids)
+        return self.fed or self.start + self.num_tokens == len(self.seq.token_ids)
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = field(default=256, metadata={"help": "running sequences per step at most"})
     max_num_batched_tokens: int = field(
-        default=2048, metadata={"help": "tokens per forward pass (decodes + prefill chunks)"}
+        default=8192, metadata={"help": "tokens per forward pass (decodes + prefill chunks)"}
     )
 
 
@@ -81,14 +106,22 @@ class Scheduler:
         self._arrivals = 0
 
     # ------------------------------------------------------------------ bookkeeping
-    def add(self, seq_id: str, prompt: list[int], generated: list[int] = ()) -> Sequence:  # type: ignore[assignment]
+    def add(
+        self,
+        seq_id: str,
+        prompt: list[int],
+        generated: list[int] = (),  # type: ignore[assignment]
+        max_tokens: int | None = None,
+    ) -> Sequence:
         """A new sequence waits to be admitted (``generated``: tokens it already produced, when
-        a worker takes over the request of a dead one)."""
+        a worker takes over the request of a dead one; ``max_tokens``: its output limit)."""
         if seq_id in self.seqs:
             raise ValueError(f"sequence {seq_id!r} already exists")
         if not prompt:
             raise ValueError("a sequence needs at least one prompt token")
         seq = Sequence(seq_id, self._arrivals, [*prompt, *generated], len(prompt))
+        if max_tokens is not None:
+            seq.max_len = len(prompt) + max_tokens
         self._arrivals += 1
         self.seqs[seq_id] = seq
         return seq
@@ -105,6 +138,10 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         chunks: list[Chunk] = []
         running = [s for s in self.running() if s.num_pending > 0]
+        for seq in self.running():
+            if budget > 0 and seq.can_feed(self.block_size):
+                chunks.append(Chunk(seq, seq.num_computed, 1, fed=True))
+                budget -= 1
         for seq in [s for s in running if s.num_pending == 1] + [
             s for s in running if s.num_pending > 1
         ]:
@@ -140,7 +177,7 @@ class Scheduler:
         seq = self.seqs[seq_id]
         assert num_tokens <= len(seq.token_ids), f"{seq_id}: the kvstore knows more tokens"
         seq.block_ids = list(block_ids)
-        seq.num_computed = num_computed
+        seq.num_computed = seq.num_done = num_computed
         seq.num_reported = num_tokens
         seq.status = SeqStatus.RUNNING
 
@@ -161,24 +198,48 @@ class Scheduler:
         seq.block_ids.extend(new_block_ids)
         return [(src, dst) for _, src, dst in copies]
 
-    def computed(self, chunk: Chunk, new_token: int | None) -> None:
-        """After the forward: the chunk's KV is written; a sampled token joins the sequence."""
+    def launched(self, chunk: Chunk, sampling: bool, feedable: bool) -> None:
+        """A step computing ``chunk`` is on the device. ``sampling``: a token is drawn from its
+        logits there (it is in flight until ``sampled``); ``feedable``: that token may feed the
+        sequence's next step (one draw for the sequence, nothing the host must see first)."""
         seq = chunk.seq
         assert seq.num_computed == chunk.start, f"{seq.seq_id}: computed twice"
-        assert new_token is None or chunk.samples, f"{seq.seq_id}: sampled mid-prompt"
-        assert chunk.start + chunk.num_tokens <= seq.num_reported, (
+        assert not sampling or chunk.samples, f"{seq.seq_id}: sampled mid-prompt"
+        assert chunk.fed or chunk.start + chunk.num_tokens <= seq.num_reported, (
             f"{seq.seq_id}: computed tokens the kvstore does not know"
         )
         seq.num_computed = chunk.start + chunk.num_tokens
+        if sampling:
+            seq.inflight += 1
+            seq.feedable = feedable
+
+    def computed(self, chunk: Chunk, new_token: int | None) -> None:
+        """A step run synchronously: ``launched``, ``processed`` and, if ``new_token`` was drawn,
+        ``sampled`` at once."""
+        self.launched(chunk, new_token is not None, feedable=False)
+        self.processed(chunk)
         if new_token is not None:
-            seq.token_ids.append(new_token)
+            self.sampled(chunk.seq, new_token)
+
+    def processed(self, chunk: Chunk) -> None:
+        """The step that computed ``chunk`` finished: its KV is written (unless the sequence
+        lost its blocks since, to a preemption)."""
+        seq = chunk.seq
+        if self.seqs.get(seq.seq_id) is seq and seq.status is SeqStatus.RUNNING:
+            seq.num_done = max(seq.num_done, chunk.start + chunk.num_tokens)
+
+    def sampled(self, seq: Sequence, token: int) -> None:
+        """An in-flight token reached the host: it joins the sequence."""
+        assert seq.inflight > 0, f"{seq.seq_id}: no token in flight"
+        seq.inflight -= 1
+        seq.token_ids.append(token)
 
     def append_sampled(self, seq_id: str, token: int) -> None:
         """A token chosen after the sequence's forward, in a later call than ``computed`` (beam
         search waits for every beam's logits): it joins the sequence, which had nothing
         pending."""
         seq = self.seqs[seq_id]
-        assert seq.num_computed == seq.num_reported == len(seq.token_ids), (
+        assert seq.num_computed == seq.num_reported == len(seq.token_ids) and not seq.inflight, (
             f"{seq_id}: tokens pending"
         )
         seq.token_ids.append(token)
@@ -200,9 +261,11 @@ class Scheduler:
             [*parent.token_ids[: parent.num_reported], first_token],
             parent.num_prompt,
             SeqStatus.RUNNING,
-            parent.num_computed,
-            parent.num_reported,
-            list(parent.block_ids),
+            max_len=parent.max_len,
+            num_computed=parent.num_computed,
+            num_done=parent.num_done,
+            num_reported=parent.num_reported,
+            block_ids=list(parent.block_ids),
         )
         self.seqs[child_id] = child
         return child
@@ -211,7 +274,7 @@ class Scheduler:
         """The kvstore took the blocks back (swap or recompute); the KV must be placed again.
         Unreported tokens stay: after the resume, the next append reports them."""
         seq = self.seqs[seq_id]
-        seq.status, seq.block_ids, seq.num_computed = SeqStatus.PREEMPTED, [], 0
+        seq.status, seq.block_ids, seq.num_computed, seq.num_done = SeqStatus.PREEMPTED, [], 0, 0
 
     def finish(self, seq_id: str) -> Sequence:
         """Forgets the sequence (the caller frees it at the kvstore)."""

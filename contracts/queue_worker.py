@@ -281,6 +281,39 @@ def publish(pipe_or_client: redis.Redis, records: Iterable[OutputRecord]) -> Non
         pipe_or_client.eval(_PUBLISH_LUA, len(keys), *keys, *args)
 
 
+def step_pipeline(
+    r: redis.Redis,
+    records: Iterable[OutputRecord],
+    ack_ids: Sequence[str] = (),
+    watched: Sequence[str] = (),
+) -> redis.client.Pipeline:
+    """One engine step's Redis traffic, queued (not executed) in a pipeline: publish the deltas,
+    ack the finished requests (after their final record), read the ``watched`` keys (MGET,
+    last)."""
+    pipe = r.pipeline(transaction=False)
+    publish(pipe, records)
+    ack(pipe, ack_ids)
+    if watched:
+        pipe.mget(watched)
+    return pipe
+
+
+def watched_keys(check_aborted: Sequence[str], check_gateways: Sequence[str]) -> list[str]:
+    """The keys whose presence says a request was aborted or a gateway is alive."""
+    watched = [queue_keys.abort_key(i) for i in check_aborted]
+    return watched + [queue_keys.gateway_key(g) for g in check_gateways]
+
+
+def checked(
+    values: Sequence[object], check_aborted: Sequence[str], check_gateways: Sequence[str]
+) -> queue_keys.Checked:
+    """What the MGET of ``watched_keys`` found: the aborted requests, the gateways gone."""
+    aborted = {i for i, v in zip(check_aborted, values, strict=False) if v is not None}
+    alive = values[len(check_aborted) :]
+    gone = {g for g, v in zip(check_gateways, alive, strict=True) if v is None}
+    return queue_keys.Checked(aborted, gone)
+
+
 def step(
     r: redis.Redis,
     records: Iterable[OutputRecord],
@@ -288,24 +321,13 @@ def step(
     check_aborted: Sequence[str] = (),
     check_gateways: Sequence[str] = (),
 ) -> queue_keys.Checked:
-    """One engine step's Redis traffic in one round trip: publish the deltas, ack the finished
-    requests (ack after their final record), and find which of ``check_aborted`` were aborted
-    and which of ``check_gateways`` are no longer alive. Not atomic: a crash may leave a final
-    record unacked; ``read_streamed(...).final`` tells the worker that reclaims it to just ack
-    it."""
-    pipe = r.pipeline(transaction=False)
-    publish(pipe, records)
-    ack(pipe, ack_ids)
-    watched = [queue_keys.abort_key(i) for i in check_aborted]
-    watched += [queue_keys.gateway_key(g) for g in check_gateways]
-    if watched:
-        pipe.mget(watched)
-    results = pipe.execute()
-    values = results[-1] if watched else []
-    aborted = {i for i, v in zip(check_aborted, values, strict=False) if v is not None}
-    alive = values[len(check_aborted) :]
-    gone = {g for g, v in zip(check_gateways, alive, strict=True) if v is None}
-    return queue_keys.Checked(aborted, gone)
+    """One engine step's Redis traffic in one round trip (``step_pipeline``), and which of
+    ``check_aborted`` were aborted and which of ``check_gateways`` are no longer alive. Not
+    atomic: a crash may leave a final record unacked; ``read_streamed(...).final`` tells the
+    worker that reclaims it to just ack it."""
+    watched = watched_keys(check_aborted, check_gateways)
+    results = step_pipeline(r, records, ack_ids, watched).execute()
+    return checked(results[-1] if watched else [], check_aborted, check_gateways)
 
 
 def read_streamed(r: redis.Redis, req_id: str) -> Streamed:

@@ -12,13 +12,14 @@ bytes, 256 BOS ``<s>``, 257 EOS ``</s>``, 258 PAD ``<pad>``, matching
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from contracts.model_config import TINY
 
-__all__ = ["BOS", "EOS", "PAD", "byte_tokenizer", "load_tokenizer"]
+__all__ = ["BOS", "EOS", "PAD", "byte_tokenizer", "load_tokenizer", "output_decoder"]
 
 BOS, EOS, PAD = 256, 257, 258
 
@@ -64,3 +65,27 @@ def load_tokenizer(model: str) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model, local_files_only=True)
+
+
+def output_decoder(tokenizer: PreTrainedTokenizerBase) -> Callable[[Sequence[int]], str]:
+    """Token ids -> output text, special tokens (BOS, PAD, ...) left out as vLLM does by default.
+
+    A fast tokenizer that does no clean-up decodes through its Rust backend directly: the same
+    text as ``tokenizer.decode(ids, skip_special_tokens=True)`` (which adds only Python argument
+    handling around that call), at a fifth of the cost; the engine decodes twice per token.
+    """
+    if (
+        isinstance(tokenizer, PreTrainedTokenizerFast)
+        and not tokenizer.clean_up_tokenization_spaces
+    ):
+        backend = tokenizer.backend_tokenizer
+
+        def fast(token_ids: Sequence[int]) -> str:
+            return str(backend.decode(list(token_ids), skip_special_tokens=True))
+
+        return fast
+
+    def slow(token_ids: Sequence[int]) -> str:
+        return str(tokenizer.decode(list(token_ids), skip_special_tokens=True))
+
+    return slow

@@ -73,9 +73,21 @@ class KVClient:
     def call(self, body: p.Request) -> p.ReplyBody:
         """Sends ``body`` and returns its reply (``p.REPLY_OF``); raises ``KVStoreError`` on an
         Error reply or a reply of another kind, ``KVStoreTimeout`` without one in time."""
+        return self.receive(body, self.send(body))
+
+    def send(self, body: p.Request) -> int:
+        """Sends ``body`` without waiting; returns the call id to pass to ``receive``. The
+        caller may do other work meanwhile, and must ``receive`` before its next call."""
         call_id = next(self._ids)
-        frame = p.encode(p.Call(p.PROTOCOL_VERSION, call_id, body, self._token))
-        return expect_reply(body, self.call_raw(frame, call_id=call_id).body)
+        self._sock.send(p.encode(p.Call(p.PROTOCOL_VERSION, call_id, body, self._token)))
+        return call_id
+
+    def receive(self, body: p.Request, call_id: int) -> p.ReplyBody:
+        """The reply to ``send(body)`` (as ``call``)."""
+        while True:
+            reply = p.decode_reply(self._receive())
+            if reply.call_id in (call_id, 0):
+                return expect_reply(body, reply.body)
 
     def call_raw(self, *frames: bytes, call_id: int | None = None) -> p.Reply:
         """Sends raw frames and waits for the reply to ``call_id`` (None: the next reply; tests

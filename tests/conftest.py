@@ -7,13 +7,16 @@ import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
-from redis.typing import StreamEntry
 
 from contracts.records import OutputRecord, decode_output
 from pagedserve.redis_server import EmbeddedRedis
+
+if TYPE_CHECKING:  # redis-py 6 (the GPU host's) has no StreamEntry
+    from redis.typing import StreamEntry
 
 # Without CUDA, Triton kernels run in the interpreter. TRITON_INTERPRET must be set before any
 # @triton.jit function is defined, i.e. before any test module imports a kernel: here, first.

@@ -94,7 +94,7 @@ def run_engine(
                 for seq in engine.scheduler.running():
                     assert rows[seq.seq_id].tokens == seq.num_reported, seq.seq_id
                 streamed = {rid: queue_worker.read_streamed(r, rid) for rid in prompts}
-                if all(s.final for s in streamed.values()) and not engine.active:
+                if all(s.final for s in streamed.values()) and engine.idle:
                     break
             stats = kv.call(p.GetStats())
         outputs = {rid: s.sequences[0].token_ids for rid, s in streamed.items()}

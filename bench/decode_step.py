@@ -1,0 +1,75 @@
+"""Device time of one pure-decode step (CUDA graph replay), against its byte roofline.
+
+The Llama-3.2-1B-shaped random bf16 model of ``bench/serve.py`` decodes a batch of ``--batch``
+requests whose contexts are ``--context`` tokens, through ``ModelRunner`` (captured graphs,
+Triton kernels) over a local paged pool; CUDA events around the replay alone time the device
+(no host gap inside). The roofline reads every weight once and every request's K/V once at
+``--copy-tb-s`` (the H200's measured device copy).
+
+    python bench/decode_step.py [--batch 128] [--context 600] [--copy-tb-s 4.28]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import compute.attention  # noqa: F401  (registers the "paged" attention function)
+from bench.serve import build_model, llama_1b_config
+from compute.runner import ModelRunner, ScheduledChunk
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--context", type=int, default=600)
+    parser.add_argument("--copy-tb-s", type=float, default=4.28)
+    parser.add_argument("--steps", type=int, default=50)
+    args = parser.parse_args()
+    config = llama_1b_config()
+    model = build_model(config, "paged")
+    bs, layers = 16, int(config.num_hidden_layers)
+    kv, d = config.num_key_value_heads or 8, config.head_dim or 64
+    per_request = -(-(args.context + 1) // bs)
+    blocks = args.batch * per_request + 1
+    pool = torch.zeros(blocks, layers, 2, bs, kv, d, dtype=torch.bfloat16, device="cuda")
+    runner = ModelRunner(model, pool, bs, cuda_graph_max_batch=args.batch)
+    batch = [
+        ScheduledChunk(
+            [1], args.context, list(range(1 + b * per_request, 1 + (b + 1) * per_request))
+        )
+        for b in range(args.batch)
+    ]
+    for _ in range(3):
+        runner.forward(batch)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    graphs = runner.graphs
+    assert graphs is not None
+    p = runner.pack(batch)
+    graphs.load(p.ids, p.positions, p.slots, p.table, p.context_lens)
+    for _ in range(args.steps):
+        start.record()
+        graphs.replay(args.batch)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    weights = sum(t.numel() * t.element_size() for t in model.parameters())
+    kv_bytes = args.batch * (args.context + 1) * layers * 2 * kv * d * 2
+    roofline_ms = (weights + kv_bytes) / (args.copy_tb_s * 1e12) * 1e3
+    step_ms = sorted(times)[len(times) // 2]
+    print(
+        f"decode step B={args.batch} context={args.context}: {step_ms:.3f} ms (median of "
+        f"{args.steps} replays); roofline {roofline_ms:.3f} ms (weights {weights / 1e9:.2f} GB + "
+        f"K/V {kv_bytes / 1e9:.2f} GB at {args.copy_tb_s} TB/s): {step_ms / roofline_ms:.2f}x"
+    )
+
+
+if __name__ == "__main__":
+    main()

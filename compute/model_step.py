@@ -1,0 +1,308 @@
+"""The engine's model work, overlapped with its host work: ``ModelStep``.
+
+``launch`` plans a step (``Scheduler.schedule``), packs it, and enqueues its forward pass and its
+token draw on the device, with the drawn ids copied to pinned host memory; it returns without
+waiting (``Launched``). ``process`` waits for a launched step's ids and does its host work: the
+tokens join their sequences, stop conditions and detokenization run, branches fork, finished
+sequences end, and the step's output records come back for publishing.
+
+The engine launches step N+1 before it processes step N, so the host's work on step N (and the
+kvstore and Redis traffic after it) runs while the device computes step N+1. A sequence whose
+token of step N is still on the device runs its decode in step N+1 with that token gathered on
+the device from step N's draw (the scheduler's ``fed`` chunks). The lag has consequences, each
+handled here:
+
+* a sequence that stops at step N (EOS, a stop string) may have computed one more token in step
+  N+1: that token is dropped when step N+1 is processed (the sequence is gone by then);
+  ``max_tokens`` is known ahead, so the scheduler never feeds a sequence past it;
+* a sequence's blocks may be written by a launched step until it is processed: a sequence that
+  ends is freed at the kvstore only after the step in flight when it ended is processed
+  (``free_later``), and a preemption waits for the device first (``quiesce``);
+* a step whose host work needs its logits (beam search reads them) or forks branches (a first
+  token that fans out to ``n``) is processed at once, before the next launch and any kvstore
+  call (``Launched.sync``); a sequence that fans out is not ``feedable``: its forks must reach
+  the kvstore before it writes its shared last block.
+
+On the CPU the forward pass runs synchronously inside ``launch``; the bookkeeping is the same.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from compute.kvsync import KVSync
+from compute.registry import Requests
+from compute.requests import Active, output_record
+from compute.runner import Feed, ModelRunner, ScheduledChunk
+from compute.sampling import RowState, sample
+from compute.scheduler import Chunk
+from compute.transfer import to_device
+from contracts.records import OutputRecord
+
+__all__ = ["Launched", "ModelStep", "Processed"]
+
+
+@dataclass(frozen=True)
+class Row:
+    """One drawn token of a launched step: chunk ``chunk``'s, for branch ``index``."""
+
+    chunk: int
+    active: Active
+    index: int
+    forks: bool  # a new branch, forked from branch 0 at its first token
+
+
+@dataclass
+class Launched:
+    """A step on the device: what it computes and where its drawn ids arrive."""
+
+    chunks: list[Chunk]
+    rows: list[Row]
+    row_of: dict[str, int]  # sequence id -> the row of its own next token
+    sampled: torch.Tensor | None  # [R] int64 on the device
+    host: torch.Tensor | None  # [R] int64, pinned: ``sampled`` copied back
+    logits: torch.Tensor  # [chunks, vocab]: read only by a ``sync`` step's processing
+    beams: list[int]  # chunks of beam searches (their logits are read when processed)
+    events: tuple[torch.cuda.Event, torch.cuda.Event] | None  # around the device work
+    frees_after: list[str] = field(default_factory=list)  # to free once this is processed
+
+    @property
+    def sync(self) -> bool:
+        """Processed right after its launch, before any kvstore call: its processing reads
+        ``logits`` (beam search) or forks branches off sequences that must still be running."""
+        return bool(self.beams) or any(row.forks for row in self.rows)
+
+    def wait(self) -> list[int]:
+        """Blocks until the device finished the step; its drawn ids."""
+        if self.events is not None:
+            self.events[1].synchronize()
+        return [] if self.host is None else self.host.tolist()
+
+    def device_ms(self) -> float:
+        """Device time from the step's first kernel to its last (after ``wait``)."""
+        return self.events[0].elapsed_time(self.events[1]) if self.events else 0.0
+
+
+@dataclass(frozen=True)
+class Processed:
+    """What processing a step produced."""
+
+    records: list[OutputRecord]
+    done: list[Active]  # requests that finished (every branch ended)
+    computed: set[str]  # sequences whose KV the step wrote
+
+
+class ModelStep:
+    """Owns the launched step not processed yet (``inflight``); one per engine state."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        requests: Requests,
+        kvsync: KVSync,
+        decode: Callable[[Sequence[int]], str],
+        phase_s: dict[str, float],
+    ) -> None:
+        self.runner = runner
+        self.requests = requests
+        self.scheduler = requests.scheduler
+        self.kvsync = kvsync
+        self.decode = decode
+        self.inflight: Launched | None = None
+        # host seconds per part of launch (plan, forward: pack and enqueue, draw: enqueue the
+        # sampling) and of process (wait: for the device), added to the engine's timeline
+        self.phase_s = phase_s
+        self.tokens_computed = 0  # tokens run through the model (prefill + decode), a counter
+        self.tokens_fed = 0  # of those, tokens fed from the device (overlapped decodes)
+        self.device_s = 0.0  # device seconds of processed steps (CUDA), a counter
+        kvsync.quiesce = self.quiesce
+
+    # ------------------------------------------------------------------ launching
+    def launch(self) -> Launched | None:
+        """Plans and enqueues the next step; None when nothing can run. Mutates the scheduler
+        (``launched``: computed counts, in-flight tokens), never waits for the device."""
+        clock = time.perf_counter()
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return None
+        clock = self._phase("plan", clock)
+        cuda = self.runner.device.type == "cuda"
+        events = None
+        if cuda:
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            events[0].record()
+        self.runner.copy_blocks(self.kvsync.copies)
+        self.kvsync.copies = []
+        logits = self.runner.forward([self._scheduled(c) for c in chunks], self._feed(chunks))
+        self.tokens_computed += sum(c.num_tokens for c in chunks)
+        self.tokens_fed += sum(c.fed for c in chunks)
+        clock = self._phase("forward", clock)
+        rows: list[Row] = []
+        states: list[RowState] = []
+        row_of: dict[str, int] = {}
+        beams: list[int] = []
+        for i, chunk in enumerate(chunks):
+            seq = chunk.seq
+            if not chunk.samples or self.requests.beam_search(seq.seq_id) is not None:
+                if chunk.samples:
+                    beams.append(i)
+                self.scheduler.launched(chunk, sampling=False, feedable=False)
+                continue
+            found = self.requests.branch(seq.seq_id)
+            assert found is not None, f"{seq.seq_id}: a chunk of no branch"
+            active, branch = found
+            params = active.record.params
+            generated = branch.stop.num_generated + seq.inflight  # the position being drawn
+            fan_out = params.n if generated == 0 and branch.index == 0 else 1
+            row_of[seq.seq_id] = len(rows)
+            for k in range(branch.index, branch.index + fan_out):
+                rows.append(Row(i, active, k, forks=k != branch.index))
+                states.append(RowState(params, k, generated))
+            self.scheduler.launched(chunk, sampling=True, feedable=fan_out == 1)
+        sampled = host = None
+        if rows:
+            index = [r.chunk for r in rows]
+            drawn = logits  # one row per chunk, in order: no gather
+            if index != list(range(len(chunks))):
+                drawn = logits[to_device(index, logits.device)]  # [R, vocab]
+            sampled = sample(drawn, states).token_ids  # [R]
+            host = sampled
+            if cuda:
+                host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
+                host.copy_(sampled, non_blocking=True)
+        if events is not None:
+            events[1].record()
+        self._phase("draw", clock)
+        return Launched(chunks, rows, row_of, sampled, host, logits, beams, events)
+
+    def _scheduled(self, chunk: Chunk) -> ScheduledChunk:
+        seq = chunk.seq
+        tokens = [0] if chunk.fed else seq.token_ids[chunk.start : chunk.start + chunk.num_tokens]
+        return ScheduledChunk(tokens, chunk.start, seq.block_ids)
+
+    def _feed(self, chunks: list[Chunk]) -> Feed | None:
+        """Where the fed chunks' tokens are: the in-flight step's draw."""
+        fed = [i for i, c in enumerate(chunks) if c.fed]
+        if not fed:
+            return None
+        source = self.inflight
+        assert source is not None and source.sampled is not None, "a fed chunk of no step"
+        rows = [source.row_of[chunks[i].seq.seq_id] for i in fed]
+        return Feed(source.sampled, rows, fed)
+
+    # ------------------------------------------------------------------ processing
+    def process(self, launched: Launched) -> Processed:
+        """Waits for ``launched`` and does its host work. Mutates the scheduler and requests
+        (tokens, forks, ends), queues forks and frees at ``kvsync`` (frees of sequences a
+        later launched step may still write wait for that step: ``free_later``)."""
+        clock = time.perf_counter()
+        tokens = launched.wait()
+        clock = self._phase("wait", clock)
+        self.device_s += launched.device_ms() / 1e3
+        self.kvsync.frees += launched.frees_after  # nothing on the device writes them now
+        for chunk in launched.chunks:
+            self.scheduler.processed(chunk)
+        live = [
+            (row, token)
+            for row, token in zip(launched.rows, tokens, strict=True)
+            if self._live(launched.chunks[row.chunk])  # else it ended while this ran
+        ]
+        for row, token in live:
+            if row.forks:  # counted before any branch can finish: ``final`` stays right
+                row.active.live += 1
+            else:
+                self.scheduler.sampled(launched.chunks[row.chunk].seq, token)
+        records: list[OutputRecord] = []
+        frees: list[str] = []
+        for row, token in live:
+            active, k = row.active, row.index
+            branch = (
+                self.requests.fork_branch(active, k, token) if row.forks else active.branches[k]
+            )
+            update = branch.stop.append(token)
+            if update.finish_reason is not None:
+                active.live -= 1
+                if row.forks:  # it ends where it starts: the kvstore never needs to know it
+                    self.requests.finish(branch.seq.seq_id)
+                else:
+                    frees.append(branch.seq.seq_id)
+            elif row.forks:
+                self.kvsync.forks.setdefault(active.branches[0].seq.seq_id, []).append(
+                    branch.seq.seq_id
+                )
+            offset = branch.stop.num_generated - 1
+            final = active.live == 0
+            records.append(
+                output_record(active, k, [token], update.finish_reason, final, update.text, offset)
+            )
+        searches: dict[str, Active] = {}
+        for i in launched.beams:
+            seq = launched.chunks[i].seq
+            owner = self.requests.beam_search(seq.seq_id)
+            if owner is not None and owner.beams is not None:
+                owner.beams.computed(seq, launched.logits[i])
+                searches[owner.record.req_id] = owner
+        for active in searches.values():
+            records += self._beam_round(active, frees)
+        for seq_id in frees:
+            self.requests.finish(seq_id)
+        self.free_later(frees)
+        done = [a for a in self.requests.active.values() if a.live == 0]
+        for active in done:
+            self.requests.done(active)
+        return Processed(records, done, {c.seq.seq_id for c in launched.chunks})
+
+    def _live(self, chunk: Chunk) -> bool:
+        return self.scheduler.seqs.get(chunk.seq.seq_id) is chunk.seq
+
+    def _beam_round(self, active: Active, frees: list[str]) -> list[OutputRecord]:
+        """Advances a beam search whose live beams all have their logits; adds the sequences
+        it drops to ``frees``. Once it is done, the request's n best hypotheses."""
+        beams = active.beams
+        assert beams is not None
+        if not beams.ready():
+            return []
+        round_ = beams.advance(self.scheduler)
+        frees += round_.frees
+        for parent, children in round_.forks.items():
+            self.kvsync.forks.setdefault(parent, []).extend(children)
+            self.requests.add_beams(active, children)
+        if not beams.done:
+            return []
+        active.live = 0
+        best = beams.best(active.record.params.n, self.decode)
+        return [
+            output_record(active, k, tokens, reason, k == len(best) - 1, text)
+            for k, (tokens, reason, text) in enumerate(best)
+        ]
+
+    def _phase(self, name: str, since: float) -> float:
+        now = time.perf_counter()
+        self.phase_s[name] += now - since
+        return now
+
+    # ------------------------------------------------------------------ the lag's rules
+    def free_later(self, seq_ids: list[str]) -> None:
+        """Frees these ended sequences at the kvstore once no launched step can write their
+        blocks: after the step in flight is processed, or in the next kvstore call."""
+        if self.inflight is not None:
+            self.inflight.frees_after += seq_ids
+        else:
+            self.kvsync.frees += seq_ids
+
+    def quiesce(self) -> None:
+        """Waits until the device finished every launched step."""
+        if self.inflight is not None and self.inflight.events is not None:
+            self.inflight.events[1].synchronize()
+
+    def drop(self) -> None:
+        """Forgets the step in flight, after the device finished it (the engine rebuilds its
+        state; the pool may be unmapped next)."""
+        try:
+            self.quiesce()
+        finally:
+            self.inflight = None
