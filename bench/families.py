@@ -9,7 +9,7 @@ every request are compared with an fp32 forward of the same weights over the sam
 (teacher-forced), and so are transformers' own bf16 SDPA logits: the bf16 noise floor the engine
 should match. Greedy choices are compared with the fp32 argmax at every output position.
 
-    python bench/families.py
+    python bench/families.py [family ...]
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ def main() -> None:
     print("| family | rows | ours vs fp32: max / mean rel err | SDPA bf16 vs fp32 | "
           "ours = fp32 argmax | SDPA bf16 = fp32 argmax | graph replays |")  # fmt: skip
     print("|---|---|---|---|---|---|---|")
-    for family in FAMILIES:
+    for family in sys.argv[1:] or FAMILIES:  # e.g. python bench/families.py llama
         r = check_family(family)
         print(
             f"| {r['family']} | {r['rows']} | {r['ours_err'][0]:.4f} / {r['ours_err'][1]:.4f} "

@@ -53,6 +53,7 @@ from compute.registry import Requests
 from compute.requests import Active, output_record
 from compute.runner import ModelRunner
 from compute.scheduler import Scheduler, SchedulerConfig
+from compute.timeline import TimelineLog
 from contracts import queue_keys, queue_worker
 from contracts.records import FinishReason, OutputRecord, RecordError, RequestRecord
 from contracts.tokenizer import output_decoder
@@ -322,8 +323,14 @@ class Engine:
         """Steps until a signal arrives (``signals`` grows, in a signal handler); when idle, each
         step waits up to 100 ms for a request on Redis. After the first signal it takes no new
         request and drains the running ones; a second signal returns at once. Losing the
-        kvstore or Redis does not stop it: it rebuilds (``recover``) and goes on."""
+        kvstore or Redis does not stop it: it rebuilds (``recover``) and goes on. Every 10 s of
+        work it logs its per-step timeline (``compute.timeline``)."""
+        timeline = TimelineLog()
         while len(signals) < 2:
+            model = self.model_step
+            line = timeline.tick(self.phase_s, self.steps, model.tokens_computed, model.device_s)
+            if line is not None:
+                log.info("timeline: %s", line)
             if signals:
                 if self.idle:
                     break

@@ -20,7 +20,6 @@ import torch
 from transformers import PreTrainedModel
 
 from compute.attention import PagedBatch
-from compute.transfer import to_device
 
 log = logging.getLogger("pagedserve.compute")
 
@@ -61,6 +60,16 @@ class DecodeGraphs:
         self.cu = torch.arange(max_batch + 1, dtype=torch.int32, device=device)  # [B + 1]
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.replays = 0  # a counter
+        # A step's inputs travel in one copy: written into one of two pinned host buffers (the
+        # other may still be read by the copy of the step before), copied to one device buffer,
+        # then scattered into the static inputs on the device. A fresh pinned tensor per input
+        # would go through the caching host allocator, whose blocks stay busy until the device
+        # has run their copies.
+        room = max_batch * (6 + max_blocks)  # ids, positions, slots, context, table, feed
+        self._staging = [torch.empty(room, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        self._copied: list[torch.cuda.Event | None] = [None, None]
+        self._parity = 0
+        self._device_staging = torch.empty(room, dtype=torch.int64, device=device)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -104,24 +113,39 @@ class DecodeGraphs:
         slots: list[int],
         table: list[list[int]],
         context_lens: list[int],
+        feed: tuple[torch.Tensor, list[int]] | None = None,
     ) -> None:
         """Copies one decode step of len(ids) <= max_batch requests into the static inputs
-        (the rest of its bucket padded); ``replay`` runs it (the caller may change
-        ``input_ids`` in between, on the device)."""
+        (the rest of its bucket padded) for ``replay``, without waiting for the device.
+        ``feed`` = (source [R] int64 on the device, rows): request ``i``'s token is
+        ``source[rows[i]]`` for each ``i`` with ``rows[i] >= 0``, in place of ``ids[i]``."""
         batch = len(ids)
         size = self._bucket(batch)
         pad = size - batch
-        device = self.pool.device
-
-        def put(dst: torch.Tensor, values: list[int], dtype: torch.dtype) -> None:
-            dst.copy_(to_device(values, device, dtype))
-
-        put(self.input_ids[0, :size], ids + [0] * pad, torch.int64)
-        put(self.positions[0, :size], positions + [0] * pad, torch.int64)
-        put(self.slots[:size], slots + [-1] * pad, torch.int64)
-        put(self.context[:size], context_lens + [0] * pad, torch.int32)
         width = len(table[0])
-        self.tables[:batch, :width].copy_(to_device(table, device, torch.int32))
+        fed = [i for i, row in enumerate(feed[1]) if row >= 0] if feed is not None else []
+        values = [*ids, *[0] * pad, *positions, *[0] * pad, *slots, *[-1] * pad]
+        values += [*context_lens, *[0] * pad, *(b for row in table for b in row)]
+        values += [*(feed[1][i] for i in fed), *fed] if feed is not None else []
+        n = len(values)
+        host, copied = self._staging[self._parity], self._copied[self._parity]
+        if copied is not None:
+            copied.synchronize()  # the copy out of this buffer, two steps ago, has run
+        host[:n] = torch.tensor(values, dtype=torch.int64)
+        staged = self._device_staging[:n]
+        staged.copy_(host[:n], non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._copied[self._parity] = event
+        self._parity ^= 1
+        parts = staged.split([size, size, size, size, batch * width, len(fed), len(fed)])
+        self.input_ids[0, :size].copy_(parts[0])
+        self.positions[0, :size].copy_(parts[1])
+        self.slots[:size].copy_(parts[2])
+        self.context[:size].copy_(parts[3])
+        self.tables[:batch, :width].copy_(parts[4].view(batch, width))
+        if feed is not None and fed:
+            self.input_ids[0].index_copy_(0, parts[6], feed[0][parts[5]])
 
     def replay(self, batch: int) -> torch.Tensor:
         """Runs the step ``load`` copied in; logits [batch, vocab] (a view into the graph's

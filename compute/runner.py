@@ -182,9 +182,13 @@ class ModelRunner:
         if graphs is not None and decodes and len(batch) <= graphs.max_batch:
             p = self.pack(batch)
             if len(p.table[0]) <= graphs.max_blocks:  # else: a context past the model's length
-                graphs.load(p.ids, p.positions, p.slots, p.table, p.context_lens)
+                source = None
                 if feed is not None:  # one token per chunk: chunk i is input row i
-                    self._scatter(graphs.input_ids[0], feed, feed.chunks)
+                    rows = [-1] * len(batch)
+                    for chunk, row in zip(feed.chunks, feed.rows, strict=True):
+                        rows[chunk] = row
+                    source = (feed.source, rows)
+                graphs.load(p.ids, p.positions, p.slots, p.table, p.context_lens, source)
                 return graphs.replay(len(batch)).float()
         inputs, paged = self.prepare(batch)
         if feed is not None:

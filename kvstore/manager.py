@@ -140,16 +140,18 @@ class KVCacheManager:
     def append(
         self, req_id: str, worker: str, new_token_ids: list[int], num_computed: int
     ) -> Growth:
-        """Adds tokens and records that the KV of the first ``num_computed`` tokens is written.
-        Allocates blocks for the new tokens and private copies of shared blocks about to be
-        written; registers newly computed full blocks in the prefix index. All or nothing."""
+        """Adds tokens and records that the KV of the first ``num_computed`` tokens is written
+        (the new ones may count: a worker that feeds a sampled token to its next step from the
+        device computes it before reporting it, in a slot its table already has). Allocates
+        blocks for the new tokens and private copies of shared blocks about to be written;
+        registers newly computed full blocks in the prefix index. All or nothing."""
         request = self._owned(req_id, worker, Status.RUNNING)
         tokens, table, bs = request.token_ids, request.block_ids, self.block_size
-        if not request.num_computed <= num_computed <= len(tokens):
+        if not request.num_computed <= num_computed <= len(tokens) + len(new_token_ids):
             raise KVError(
                 "bad_argument",
                 f"num_computed {num_computed} outside [{request.num_computed}, "
-                f"{len(tokens)}] for {req_id!r}",
+                f"{len(tokens) + len(new_token_ids)}] for {req_id!r}",
             )
         blocks_needed = -(-(len(tokens) + len(new_token_ids)) // bs)
         last = min(blocks_needed, len(table))

@@ -99,7 +99,8 @@ class AdmitItem(_Item):
 
 
 class AppendItem(_Item):
-    """``token_ids`` join the request; the KV of its first ``num_computed`` tokens is written."""
+    """``token_ids`` join the request; the KV of its first ``num_computed`` tokens is written
+    (which may include some of ``token_ids``: fed from the device, computed before reported)."""
 
     req_id: str
     token_ids: list[int]

@@ -102,6 +102,36 @@ def test_overlapped_greedy_equals_generate_with_requests_joining_and_finishing_e
     assert stats.gpu.used == 0 and not stats.requests  # every block freed, none leaked by the lag
 
 
+def test_a_fan_out_step_processed_beside_fed_decodes_keeps_them_right(
+    redis_url: str, served: tuple
+) -> None:
+    """An n > 1 request's first token (a step processed at once, right after its launch) lands
+    while greedy requests are being fed from the device: in that turn two steps are processed
+    before the kvstore hears of either, so a fed sequence reports two tokens, the second already
+    computed. Everyone finishes without an error, greedy outputs still equal ``generate``."""
+    _, _, ref = served
+    prompts = prompts_of([20 + 9 * i % 37 for i in range(12)], seed=13)
+    jobs = {
+        rid: (
+            prompt,
+            SamplingParams(max_tokens=16, temperature=0.8, seed=i, n=3)
+            if i % 4 == 3
+            else SamplingParams(max_tokens=16, temperature=0.0),
+        )
+        for i, (rid, prompt) in enumerate(prompts.items())
+    }
+    engine, _, stats = serve_staggered(redis_url, served, jobs)
+    for rid, (prompt, params) in jobs.items():
+        records = records_of(engine.redis, rid)
+        assert all(record.error is None for record in records), (rid, records[-1].error)
+        streamed = queue_worker.read_streamed(engine.redis, rid)
+        assert sorted(streamed.sequences) == list(range(params.n)), rid
+        if params.temperature == 0:
+            expected = generate_greedy(ref, prompt, params.max_tokens)
+            assert streamed.sequences[0].token_ids == expected, rid
+    assert stats.gpu.used == 0 and not stats.requests
+
+
 def test_overlapped_stop_string_and_stop_token_emit_exactly_the_text_before_them(
     redis_url: str, served: tuple
 ) -> None:

@@ -229,6 +229,18 @@ def test_orphans_adopted_or_reclaimed_after_grace() -> None:
     m.check_integrity()
 
 
+def test_an_append_may_count_its_own_tokens_as_computed() -> None:
+    """A worker that fed a sampled token to its next step from the device reports the token and
+    its KV together: 19 tokens, all computed; the table grows to 2 blocks as usual."""
+    m = manager(10)
+    m.admit("a", "w", list(range(17)), None)
+    m.append("a", "w", [], 17)
+    growth = m.append("a", "w", [100, 101], 19)
+    assert growth.new_block_ids == [] and m.requests["a"].num_computed == 19
+    assert m.requests["a"].block_ids == [0, 1]
+    m.check_integrity()
+
+
 def test_errors_name_the_problem() -> None:
     m = manager(10)
     m.admit("a", "w", [1, 2, 3], None)
@@ -237,7 +249,7 @@ def test_errors_name_the_problem() -> None:
         (lambda: m.admit("e", "w", [], None), "bad_argument"),
         (lambda: m.append("zz", "w", [1], 0), "unknown_request"),
         (lambda: m.append("a", "other", [1], 0), "not_owner"),
-        (lambda: m.append("a", "w", [1], 4), "bad_argument"),
+        (lambda: m.append("a", "w", [1], 5), "bad_argument"),  # 4 tokens, 5 computed
         (lambda: m.resume("a", "w"), "wrong_state"),
     ]
     for call, code in cases:

@@ -114,6 +114,26 @@ class KVMachine(RuleBasedStateMachine):
             self._write(req_id, upto)
 
     @precondition(lambda self: self._running())
+    @rule(data=st.data(), token=st.integers(0, 2))
+    def fed_decode(self, data: st.DataObject, token: int) -> None:
+        """The overlapped worker's decode: a sampled token, still unknown to the kvstore, is
+        computed into the next slot of its table (only when the slot exists and its block is
+        the request's alone: the worker feeds nothing else), then reported with its KV."""
+        req_id = data.draw(st.sampled_from(self._running()))
+        r = self.m.requests[req_id]
+        position = len(r.token_ids)
+        if self.written[req_id] != position or position >= len(r.block_ids) * BS:
+            return
+        block = r.block_ids[position // BS]
+        if self.m.pool.ref_counts[block] > 1 or self.m.pool.cached[block]:
+            return
+        self.gpu[block][position % BS] = token
+        growth = self.m.append(req_id, r.worker, [token], position + 1)
+        assert not growth.copies  # its block was its own
+        self._poison(growth.new_block_ids)
+        self.written[req_id] = position + 1
+
+    @precondition(lambda self: self._running())
     @rule(data=st.data(), samples=st.lists(st.integers(0, 2), min_size=2, max_size=4, unique=True))
     def fork_and_sample(self, data: st.DataObject, samples: list[int]) -> None:
         """n > 1 sampling: the prompt is computed and reported, the request forks, and every

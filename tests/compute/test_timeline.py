@@ -1,0 +1,18 @@
+"""The engine's timeline log line (``compute.timeline``)."""
+
+from __future__ import annotations
+
+from compute.timeline import TimelineLog
+
+
+def test_a_line_every_period_with_per_step_averages_of_the_counters_growth() -> None:
+    log = TimelineLog(every_s=10.0)
+    assert log.tick({"launch": 1.0, "process": 2.0}, 100, 5000, 3.0, now=0.0) is None  # baseline
+    assert log.tick({"launch": 1.5, "process": 2.5}, 200, 9000, 3.4, now=5.0) is None  # too early
+    line = log.tick({"launch": 2.0, "process": 2.8, "wait": 0.4}, 600, 25000, 4.0, now=10.0)
+    assert line == (
+        "50 steps/s, 2000 tokens/s computed; ms per step: launch 2.00, process 1.60, "
+        "wait 0.80, device 2.00"
+    )
+    assert log.tick({"launch": 2.0}, 600, 25000, 4.0, now=25.0) is None  # no step: no line
+    assert log.tick({"launch": 0.1}, 10, 100, 0.0, now=40.0) is None  # restarted: a new base
