@@ -207,7 +207,8 @@ class Engine:
     def step(self, block_ms: int | None = None) -> bool:
         """One engine step; False when there was nothing to do. Launches the next model step,
         then processes the one launched before (its host work overlaps the device's work on
-        the new one), then one kvstore call and one Redis job (on the publisher's thread)."""
+        the new one), sends one kvstore Step, writes one pipelined Redis batch, and applies the
+        kvstore's reply."""
         clock = time.perf_counter()
         self._take_requests(block_ms if self.idle else None)
         clock = self._phase("redis_in", clock)

@@ -7,9 +7,10 @@ connection of its own and returns without waiting; their replies are read by the
 in order, a step's records before the next step's, and the ``Checked`` of a job (aborted
 requests, gateways gone) reaches the engine one step later.
 
-No thread: a publisher thread was measured to cost more than it saved, because encoding and
-parsing hold the GIL and the engine's thread then waits for it (on the H200, 1B, 128 requests:
-7.6 ms of host time per step to launch the next forward, against ~1 ms without the thread).
+No thread: the encoding and the reply parsing are Python, and a thread doing them would hold
+the GIL that the engine's loop needs; writing now and reading a step later gives the same overlap
+with Redis without that contention. (A first version used a thread; its cost was not measured
+apart from the device waits found at the same time, see BENCHMARKS.md.)
 
 Abort and liveness checks (an MGET of one key per request) ride along at most every
 ``check_every_s``: an abort is seen within that time plus a step.

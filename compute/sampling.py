@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from compute.transfer import to_device
+
 if TYPE_CHECKING:  # only its fields are read
     from contracts.records import SamplingParams
 
@@ -54,19 +56,24 @@ def derive_seed(seed: int, seq_index: int, position: int) -> int:
     return int.from_bytes(digest, "little")
 
 
-def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def filter_logits(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, needed: bool | None = None
+) -> torch.Tensor:
     """Top-k then top-p (nucleus) filtering: removed tokens' logits become -inf.
 
     logits: [B, vocab] (already temperature-scaled); top_k: [B] int64, 0 = off; top_p: [B] fp32,
     1 = off. Top-k keeps every token whose logit is >= the k-th largest; top-p then keeps, of the
     renormalized survivors, the smallest most-probable prefix whose probability reaches ``top_p``
     (at least one token). Ties at either boundary are all kept, so the result does not depend on
-    sort order (Hugging Face's top-k does the same; its top-p may split a tie).
+    sort order (Hugging Face's top-k does the same; its top-p may split a tie). ``needed``:
+    whether any row filters, when the caller knows it (else it is read from the device: a sync).
     """
     vocab = logits.shape[-1]
     use_k = (top_k > 0) & (top_k < vocab)  # [B]
     use_p = top_p < 1.0  # [B]
-    if not bool((use_k | use_p).any()):
+    if needed is None:
+        needed = bool((use_k | use_p).any())
+    if not needed:
         return logits
     ordered = logits.sort(dim=-1, descending=True).values  # [B, vocab]
     k = torch.where(use_k, top_k, vocab).clamp(1, vocab)  # [B]
@@ -107,16 +114,16 @@ def sample(logits: torch.Tensor, rows: Sequence[RowState]) -> SampleOutput:
         raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
     logits = logits.float()
     device = logits.device
-    temps = torch.tensor([r.params.temperature for r in rows], dtype=torch.float32)  # [B]
     token_ids = logits.argmax(dim=-1)  # [B]
     if any(r.params.temperature > 0 for r in rows):  # decided on the host: no device sync
-        greedy = (temps == 0).to(device, non_blocking=True)  # [B]
-        temps = torch.where(temps == 0, 1.0, temps).to(device, non_blocking=True)  # [B]
-        top_k = torch.tensor([r.params.top_k for r in rows], dtype=torch.int64)
-        top_p = torch.tensor([r.params.top_p for r in rows], dtype=torch.float32)
-        top_k = top_k.to(device, non_blocking=True)  # [B]; no wait for the device
-        top_p = top_p.to(device, non_blocking=True)  # [B]
-        filtered = filter_logits(logits / temps[:, None], top_k, top_p)  # [B, vocab]
+        vocab = logits.shape[-1]
+        params = [r.params for r in rows]
+        greedy = to_device([p.temperature == 0 for p in params], device, torch.bool)  # [B]
+        temps = to_device([p.temperature or 1.0 for p in params], device, torch.float32)  # [B]
+        top_k = to_device([p.top_k for p in params], device)  # [B]
+        top_p = to_device([p.top_p for p in params], device, torch.float32)  # [B]
+        needed = any(0 < p.top_k < vocab or p.top_p < 1.0 for p in params)
+        filtered = filter_logits(logits / temps[:, None], top_k, top_p, needed)  # [B, vocab]
         probs = filtered.softmax(dim=-1)  # [B, vocab]
         race = probs / _exponentials(probs.shape, rows, device)  # [B, vocab]
         token_ids = torch.where(greedy, token_ids, race.argmax(dim=-1))  # [B]

@@ -8,7 +8,9 @@ __all__ = ["to_device"]
 
 
 def to_device(
-    values: list[int] | list[list[int]], device: torch.device, dtype: torch.dtype = torch.int64
+    values: list[int] | list[float] | list[bool] | list[list[int]],
+    device: torch.device,
+    dtype: torch.dtype = torch.int64,
 ) -> torch.Tensor:
     """A tensor of ``values`` on ``device``, copied without waiting for the device: through
     pinned memory on CUDA. A copy from pageable memory (``torch.tensor(values, device=...)``,
