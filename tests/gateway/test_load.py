@@ -64,7 +64,13 @@ def test_non_streaming_client_that_leaves_aborts_too(stack: Stack) -> None:
         async with session() as s:
             body = {"prompt": "patience", "max_tokens": 3000, "ignore_eos": True}
             request = asyncio.create_task(s.post(f"{stack.url}/v1/completions", json=body))
-            await asyncio.sleep(2)
+            # Leave once the kvstore holds it (a fixed sleep raced the worker, which can serve
+            # 3000 tiny tokens in about 2 s): it is running, far from its 3000th token.
+            for _ in range(200):
+                live = await asyncio.to_thread(stack.admin, "/admin/requests")
+                if live["requests"]:
+                    break
+                await asyncio.sleep(0.05)
             request.cancel()  # closes the connection before any answer
 
     run(scenario())
