@@ -160,10 +160,10 @@ class Engine:
         self.runner = ModelRunner(self.model, pool, info.block_size, graphs)
         self._pool = info
 
-    def recover(self, error: Exception, stop: Callable[[], bool]) -> None:
+    def recover(self, error: Exception, stop: Callable[[], bool]) -> bool:
         """After a ``RECOVERABLE`` error: forgets every request (nothing of them is lost: Redis
-        and the kvstore hold it) and connects again, retrying with backoff until it works or
-        ``stop()``."""
+        and the kvstore hold it) and connects again, retrying with backoff until it works
+        (True) or ``stop()`` (False)."""
         log.warning("worker %s lost the kvstore or Redis (%s); rebuilding", self.worker_id, error)
         self.model_step.drop()
         self._drain_publisher()
@@ -171,11 +171,12 @@ class Engine:
         while not stop():
             try:
                 self._connect(redeliver=False)
-                return
+                return True
             except RECOVERABLE as err:
                 log.warning("still cannot serve (%s): retrying in %.1f s", err, delay)
                 time.sleep(delay)
                 delay = min(2 * delay, RETRY_MAX_S)
+        return False
 
     def _drain_publisher(self) -> None:
         """Waits for the publisher's job; its error (Redis away) is the recovery's to handle."""
@@ -324,9 +325,11 @@ class Engine:
         """Steps until a signal arrives (``signals`` grows, in a signal handler); when idle, each
         step waits up to 100 ms for a request on Redis. After the first signal it takes no new
         request and drains the running ones; a second signal returns at once. Losing the
-        kvstore or Redis does not stop it: it rebuilds (``recover``) and goes on. Every 10 s of
-        work it logs its per-step timeline (``compute.timeline``)."""
+        kvstore or Redis does not stop it: it rebuilds (``recover``) and goes on; a signal while
+        it rebuilds stops it at once (it holds no request then). Every 10 s of work it logs its
+        per-step timeline (``compute.timeline``)."""
         timeline = TimelineLog()
+        connected = True
         while len(signals) < 2:
             model = self.model_step
             line = timeline.tick(self.phase_s, self.steps, model.tokens_computed, model.device_s)
@@ -341,9 +344,14 @@ class Engine:
             try:
                 self.step(block_ms=100)
             except RECOVERABLE as err:
-                self.recover(err, lambda: len(signals) >= 2)
+                connected = self.recover(err, lambda: bool(signals))
+                if not connected:
+                    break
         self._drain_publisher()
         self.publisher.close()
+        if not connected:
+            log.warning("stopping without the kvstore or Redis: not unregistering")
+            return
         try:
             self.kv.call(p.Unregister(self.worker_id))
         except (KVStoreTimeout, KVStoreError) as err:

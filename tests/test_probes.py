@@ -136,3 +136,27 @@ def test_probe_gateway() -> None:
         server.shutdown()
         server.server_close()
     assert probe.main(["gateway", f"{base}/health", "--timeout-s", "1"]) == 1  # nobody listens
+
+
+def test_a_worker_that_lost_its_kvstore_stops_on_one_signal(redis_url: str) -> None:
+    """While it retries the kvstore it holds no request: SIGTERM stops it at once (it used to
+    wait for a second signal, retrying forever)."""
+    kvstore, endpoint = start_kvstore(
+        "--model", "tiny", "--kv-memory", "0.01GiB", "--swap-memory", "0", "--no-calibrate"
+    )
+    flags = ["--model", "tiny", "--kvstore", endpoint, "--redis-url", redis_url, "--device", "cpu"]
+    worker = cli.spawn_process("compute", flags, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        cli.wait_for_workers(endpoint, 1, [worker, kvstore], 90)
+        kvstore.kill()
+        kvstore.wait(10)
+        time.sleep(12)  # the worker's next call to the kvstore times out (10 s): it retries
+        assert worker.poll() is None
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(15) == 0
+        log = worker.stdout.read().decode() if worker.stdout else ""
+        assert "lost the kvstore or Redis" in log and "not unregistering" in log, log[-2000:]
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+        stop_process(kvstore)
