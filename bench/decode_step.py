@@ -6,13 +6,18 @@ Triton kernels) over a local paged pool; CUDA events around the replay alone tim
 (no host gap inside). The roofline reads every weight once and every request's K/V once at
 ``--copy-tb-s`` (the H200's measured device copy).
 
-    python bench/decode_step.py [--batch 128] [--context 600] [--copy-tb-s 4.28]
+    python bench/decode_step.py [--batch 128] [--context 600] [--copy-tb-s 4.28] [--profile]
+        [--unfused]
+
+``--profile`` also lists the kernels of one replay (``torch.profiler``): device time and count
+per kernel name, and how much of the replay is kernel time (the rest: gaps between kernels).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -30,9 +35,13 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=600)
     parser.add_argument("--copy-tb-s", type=float, default=4.28)
     parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--profile", action="store_true", help="list the kernels of a replay")
+    parser.add_argument(
+        "--unfused", action="store_true", help="transformers' own norm and attention forwards"
+    )
     args = parser.parse_args()
     config = llama_1b_config()
-    model = build_model(config, "paged")
+    model = build_model(config, "paged", fused=not args.unfused)
     bs, layers = 16, int(config.num_hidden_layers)
     kv, d = config.num_key_value_heads or 8, config.head_dim or 64
     per_request = -(-(args.context + 1) // bs)
@@ -65,10 +74,37 @@ def main() -> None:
     roofline_ms = (weights + kv_bytes) / (args.copy_tb_s * 1e12) * 1e3
     step_ms = sorted(times)[len(times) // 2]
     print(
-        f"decode step B={args.batch} context={args.context}: {step_ms:.3f} ms (median of "
+        f"decode step B={args.batch} context={args.context}"
+        f"{' unfused' if args.unfused else ''}: {step_ms:.3f} ms (median of "
         f"{args.steps} replays); roofline {roofline_ms:.3f} ms (weights {weights / 1e9:.2f} GB + "
         f"K/V {kv_bytes / 1e9:.2f} GB at {args.copy_tb_s} TB/s): {step_ms / roofline_ms:.2f}x"
     )
+    if args.profile:
+        print_kernels(lambda: graphs.replay(args.batch), step_ms)
+
+
+def print_kernels(replay: Callable[[], object], step_ms: float, replays: int = 10) -> None:
+    """Device time per kernel name over ``replays`` replays (CUPTI sees kernels inside graphs)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            replay()
+        torch.cuda.synchronize()
+    per_name: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time > 0:
+            per_name.setdefault(event.name, []).append(event.device_time / 1e3)  # ms
+    total = sum(sum(ts) for ts in per_name.values()) / replays
+    print(
+        f"kernels of one replay: {total:.3f} ms of kernel time in a {step_ms:.3f} ms replay "
+        f"({sum(len(ts) for ts in per_name.values()) // replays} kernels)"
+    )
+    rows = sorted(per_name.items(), key=lambda kv: -sum(kv[1]))
+    for name, times in rows[:30]:
+        ms = sum(times) / replays
+        print(f"  {ms:7.3f} ms {100 * ms / total:5.1f}%  x{len(times) // replays:<4d} {name[:110]}")
 
 
 if __name__ == "__main__":

@@ -80,10 +80,17 @@ def workload(n: int, seed: int = 0) -> Jobs:
     ]
 
 
-def build_model(config: LlamaConfig, attn: str) -> LlamaForCausalLM:
+def build_model(config: LlamaConfig, attn: str, fused: bool = True) -> LlamaForCausalLM:
+    """The random bf16 model on CUDA; with paged attention, fused as the worker fuses it
+    (``compute.fused``) unless ``fused`` is False."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.bfloat16)
-    return model.cuda().eval()
+    model = model.cuda().eval()
+    if attn == "paged" and fused:
+        from compute.fused import fuse_layers
+
+        fuse_layers(model)
+    return model
 
 
 # ----------------------------------------------------------------------------- ours

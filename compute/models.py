@@ -1,6 +1,7 @@
 """Model loading for compute workers: ``tiny`` (random weights, byte tokenizer) or a local HF
 checkpoint directory. Every model is loaded with the paged attention function
-(``attn_implementation="paged"``, see ``compute.attention``).
+(``attn_implementation="paged"``, see ``compute.attention``); fp16/bf16 models on CUDA also get
+fused RMSNorm, attention and MLP forwards (``compute.fused``).
 
 Tokenizers (the byte tokenizer of ``tiny``, or the checkpoint's) come from
 ``contracts.tokenizer``, the one implementation the gateway uses too.
@@ -22,6 +23,7 @@ from transformers import (
 )
 
 from compute.attention import ATTN_NAME
+from compute.fused import fuse_layers
 from contracts.model_config import TINY, resolve_dtype, tiny_config
 from contracts.tokenizer import BOS, EOS, PAD, byte_tokenizer, load_tokenizer
 
@@ -120,6 +122,14 @@ def load_model(
         tokenizer = load_tokenizer(model)
     log.info("moving model to %s", device)
     net = net.to(device).eval()
+    if net.device.type == "cuda" and net.dtype in (torch.float16, torch.bfloat16):
+        fused = fuse_layers(net)
+        log.info(
+            "fused forwards: %d RMSNorm, %d attention and %d MLP modules",
+            fused.norms,
+            fused.attentions,
+            fused.mlps,
+        )
     params = sum(p.numel() for p in net.parameters())
     log.info(
         "model ready: %.1fM parameters, %s on %s, attention %r, %.1f s",

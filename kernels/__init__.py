@@ -15,9 +15,21 @@ _LAUNCHERS = {
     "paged_decode": "kernels.decode",
     "choose_num_splits": "kernels.decode",
     "paged_prefill": "kernels.prefill",
+    "rms_norm": "kernels.layer_ops",
+    "rotary": "kernels.layer_ops",
+    "silu_mul": "kernels.layer_ops",
 }
 
-__all__ = ["choose_num_splits", "copy_blocks", "paged_decode", "paged_prefill", "store_kv"]
+__all__ = [
+    "choose_num_splits",
+    "copy_blocks",
+    "paged_decode",
+    "paged_prefill",
+    "rms_norm",
+    "rotary",
+    "silu_mul",
+    "store_kv",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -1,0 +1,154 @@
+"""Fused forwards for the decoder layers of the supported families (``fuse_layers``).
+
+transformers runs a layer's small ops one torch kernel at a time: an RMSNorm is seven kernels,
+the rotary embedding of q and k ten, the gated MLP's activation two, q/k/v and gate/up are
+separate matrix products, and attention's inputs are copied to a token-major layout. At decode
+batch sizes each of those kernels is tiny, and together they took a third of a 1B-shaped decode
+step on the H200 (BENCHMARKS.md). ``fuse_layers`` rebinds, on each instance only (the library's
+classes and functions are left alone, so a reference model in the same process stays
+transformers' own):
+
+- every RMSNorm module's ``forward`` to ``kernels.rms_norm`` (one kernel);
+- every attention module's ``forward`` to ``attention_forward``: one q/k/v product (biases
+  included), Qwen3's per-head q/k norms, ``kernels.rotary`` (q and k in one kernel, written
+  token-major), then the paged attention function directly;
+- every gated SiLU MLP's ``forward`` to ``mlp_forward``: one gate/up product, then
+  ``kernels.silu_mul``.
+
+The merged products read one weight made by stacking the separate ones; each original
+``Linear`` keeps a view of its rows, so nothing is stored twice and the state dict is unchanged.
+The worker fuses on CUDA for fp16/bf16 models (``compute.models.load_model``). The kernels also
+run on the CPU under TRITON_INTERPRET=1, which is how the tests compare fused and unfused models.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.nn import functional
+
+from compute.attention import paged_attention_forward
+
+__all__ = ["Fused", "attention_forward", "fuse_layers", "mlp_forward", "rms_norm_forward"]
+
+FUSED_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
+FUSED_ATTENTIONS = ("LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention")
+FUSED_MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP")
+
+
+@dataclass(frozen=True)
+class Fused:
+    """How many modules ``fuse_layers`` rebound, per kind."""
+
+    norms: int
+    attentions: int
+    mlps: int
+
+
+# ``self`` below is the transformers module the function is bound to (typed Any: its attributes
+# are the family's).
+def rms_norm_forward(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
+    """The Llama-family RMSNorm (``weight * norm(x).to(dtype)``) as one kernel."""
+    from kernels import rms_norm
+
+    return rms_norm(hidden_states.contiguous(), self.weight, float(self.variance_epsilon))
+
+
+def attention_forward(
+    self: Any,
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    attention_mask: torch.Tensor | None = None,
+    past_key_values: object = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """A Llama/Mistral/Qwen2/Qwen3 attention module's forward over the paged pool. hidden_states:
+    [1, T, hidden]; position_embeddings: (cos, sin), each [1, T, head_dim]; ``kwargs`` carry
+    ``paged`` (``compute.attention.PagedBatch``)."""
+    from kernels import rotary
+
+    if past_key_values is not None:
+        raise ValueError("the paged forward keeps K/V in the pool, not in past_key_values")
+    tokens, head_dim = hidden_states.shape[1], self.head_dim
+    qkv = functional.linear(hidden_states[0], self.qkv_weight, self.qkv_bias)
+    q_size, kv_size = self.q_proj.out_features, self.k_proj.out_features
+    q = qkv[:, :q_size].view(tokens, -1, head_dim)  # [T, heads, D], token stride q+2kv
+    k = qkv[:, q_size : q_size + kv_size].view(tokens, -1, head_dim)
+    v = qkv[:, q_size + kv_size :].view(tokens, -1, head_dim)
+    if hasattr(self, "q_norm"):  # Qwen3: an RMSNorm per head before the rotary embedding
+        q, k = self.q_norm(q), self.k_norm(k)
+    cos, sin = position_embeddings
+    q, k = rotary(q, k, cos[0].contiguous(), sin[0].contiguous())
+    window = getattr(self, "sliding_window", getattr(self.config, "sliding_window", None))
+    out, _ = paged_attention_forward(
+        self,
+        q.transpose(0, 1).unsqueeze(0),  # [1, heads, T, D] views of token-major tensors
+        k.transpose(0, 1).unsqueeze(0),
+        v.transpose(0, 1).unsqueeze(0),
+        attention_mask,
+        scaling=self.scaling,
+        sliding_window=window,
+        **kwargs,
+    )
+    return self.o_proj(out.reshape(*hidden_states.shape[:-1], -1)), None
+
+
+def mlp_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+    """down(silu(gate(x)) * up(x)) with gate and up as one product and one activation kernel."""
+    from kernels import silu_mul
+
+    gate_up = functional.linear(x, self.gate_up_weight, self.gate_up_bias)
+    act = silu_mul(gate_up.reshape(-1, gate_up.shape[-1]))
+    return self.down_proj(act.view(*gate_up.shape[:-1], -1))
+
+
+def fuse_layers(model: torch.nn.Module) -> Fused:
+    """Rebinds the forwards of ``model``'s RMSNorm, attention and gated-MLP modules (classes
+    named in ``FUSED_NORMS`` / ``FUSED_ATTENTIONS`` / ``FUSED_MLPS``); call it once the model is
+    on its device. Mutates those module instances only: their ``forward``, merged weights
+    (``qkv_weight``, ``gate_up_weight`` and biases) and their projections' parameters, which
+    become views of the merged ones. Modules whose projections mix biased and unbiased ones, or
+    an MLP whose activation is not SiLU, keep transformers' forward."""
+    norms = attentions = mlps = 0
+    for module in model.modules():
+        name = type(module).__name__
+        if name in FUSED_NORMS:
+            module.forward = types.MethodType(rms_norm_forward, module)
+            norms += 1
+        elif name in FUSED_ATTENTIONS and _merge(module, "qkv", ("q_proj", "k_proj", "v_proj")):
+            module.forward = types.MethodType(attention_forward, module)
+            attentions += 1
+        elif (
+            name in FUSED_MLPS
+            and getattr(module.config, "hidden_act", None) in ("silu", "swish")
+            and _merge(module, "gate_up", ("gate_proj", "up_proj"))
+        ):
+            module.forward = types.MethodType(mlp_forward, module)
+            mlps += 1
+    return Fused(norms, attentions, mlps)
+
+
+def _merge(module: torch.nn.Module, merged: str, names: tuple[str, ...]) -> bool:
+    """Sets ``module.<merged>_weight`` / ``_bias`` to the rows of the ``names`` linears stacked,
+    and makes each linear's parameters views of them. False (nothing changed) if the linears
+    do not all have a bias or all lack one."""
+    linears = [getattr(module, n) for n in names]
+    has_bias = {lin.bias is not None for lin in linears}
+    if len(has_bias) != 1:
+        return False
+    with torch.no_grad():
+        weight = torch.cat([lin.weight for lin in linears])
+        bias = torch.cat([lin.bias for lin in linears]) if has_bias == {True} else None
+    row = 0
+    for lin in linears:
+        rows = lin.weight.shape[0]
+        lin.weight = torch.nn.Parameter(weight[row : row + rows], requires_grad=False)
+        if bias is not None:
+            lin.bias = torch.nn.Parameter(bias[row : row + rows], requires_grad=False)
+        row += rows
+    setattr(module, f"{merged}_weight", weight)
+    setattr(module, f"{merged}_bias", bias)
+    return True
