@@ -41,19 +41,11 @@ def checkpoint(directory: Path, shape: str) -> Path:
         return directory
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-    from bench.serve import llama_1b_config
+    from bench.serve import SHAPES
 
-    config = llama_1b_config()
-    if shape == "8b":
-        config = LlamaConfig(
-            vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-            num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-            max_position_embeddings=8192, tie_word_embeddings=False,
-            rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
-            bos_token_id=128000, eos_token_id=128001,
-        )  # fmt: skip
+    config = SHAPES[shape]()
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(directory)
@@ -183,7 +175,7 @@ def main() -> None:
         rows.append(row("transformers serve --continuous-batching (HTTP)", theirs))
         print(f"pagedserve / transformers: {ours['output_tok_s'] / theirs['output_tok_s']:.2f}x")
     if not args.skip_engine:
-        command = [sys.executable, "bench/serve.py", "--mode", "ours"]
+        command = [sys.executable, "bench/serve.py", "--mode", "ours", "--shape", args.shape]
         command += ["--requests", str(args.requests), "--max-num-seqs", "256"]  # the worker's
         done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=True)
         engine = json.loads(done.stdout.strip().splitlines()[-1])

@@ -72,6 +72,26 @@ def llama_1b_config() -> LlamaConfig:
     )
 
 
+def llama_8b_config() -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=8192,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+        bos_token_id=128000,
+        eos_token_id=128001,
+    )
+
+
+SHAPES = {"1b": llama_1b_config, "8b": llama_8b_config}  # Llama-3.2-1B, Llama-3.1-8B
+
+
 def workload(n: int, seed: int = 0) -> Jobs:
     rng = random.Random(seed)
     return [
@@ -176,7 +196,14 @@ def serve_jobs(engine: Engine, url: str, jobs: Jobs, tag: str) -> dict[str, Any]
     }
 
 
-def run_ours(jobs: Jobs, seqs: int, cuda_graphs: int, cprofile: bool = False) -> dict:
+def run_ours(
+    jobs: Jobs,
+    seqs: int,
+    cuda_graphs: int,
+    cprofile: bool = False,
+    fused: bool = True,
+    shape: str = "1b",
+) -> dict:
     import compute.attention  # noqa: F401  (registers the "paged" attention function)
     from compute.engine import Engine
     from compute.models import byte_tokenizer
@@ -185,10 +212,10 @@ def run_ours(jobs: Jobs, seqs: int, cuda_graphs: int, cprofile: bool = False) ->
     from kvstore import protocol as p
     from kvstore.client import KVClient
 
-    config = llama_1b_config()
+    config = SHAPES[shape]()
     with tempfile.TemporaryDirectory() as model_dir:
         config.save_pretrained(model_dir)  # the kvstore reads the geometry from it
-        model = build_model(config, "paged")
+        model = build_model(config, "paged", fused)
         with stack(model_dir) as (endpoint, url), KVClient(endpoint) as kv:
             import redis
 
@@ -283,7 +310,8 @@ def run_hf_static(jobs: Jobs, batch: int = 32) -> dict:
 def one_run(args: argparse.Namespace) -> dict:
     jobs = workload(args.requests)
     if args.mode == "ours":
-        return run_ours(jobs, args.max_num_seqs, args.cuda_graphs, args.profile)
+        graphs, fused = args.cuda_graphs, not args.unfused
+        return run_ours(jobs, args.max_num_seqs, graphs, args.profile, fused, args.shape)
     if args.mode == "hf-cb":
         return run_hf_continuous(jobs)
     return run_hf_static(jobs)
@@ -303,11 +331,15 @@ def in_subprocess(mode: str, args: argparse.Namespace, *extra: str) -> dict | No
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=128)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="1b", help="ours: the model")
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--cuda-graphs", type=int, default=256, help="0: eager decode steps")
     parser.add_argument("--skip-baselines", action="store_true")
     parser.add_argument("--mode", choices=["ours", "hf-cb", "hf-static"])
     parser.add_argument("--profile", action="store_true", help="ours: cProfile to stderr")
+    parser.add_argument(
+        "--unfused", action="store_true", help="ours: transformers' own layer forwards"
+    )
     args = parser.parse_args()
     if args.mode:
         print(json.dumps(one_run(args)))

@@ -163,34 +163,27 @@ def copy_blocks_reference(pool: torch.Tensor, src: torch.Tensor, dst: torch.Tens
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight * (x * rsqrt(mean(x^2) + eps)), the mean in fp32, rounded to x's dtype before the
-    weight's product and after it (as transformers' Llama-family RMSNorm). x: [..., H]; weight:
-    [H] of x's dtype."""
+    """weight * x * rsqrt(mean(x^2) + eps) over the last dim. x: [..., H]; weight: [H]."""
     x32 = x.float()
-    y = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return (weight.float() * y.float()).to(x.dtype)
+    return (weight.float() * x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def rotary_reference(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x * cos + rotate_half(x) * sin for x in q, k), rotate_half(x) = cat(-x2, x1), each
-    product and the sum rounded to the dtype. q: [T, q_heads, D]; k: [T, kv_heads, D]; cos, sin:
-    [T, D]."""
+    """(x * cos + rotate_half(x) * sin for x in q, k), rotate_half(x) = cat(-x2, x1). q: [T,
+    q_heads, D]; k: [T, kv_heads, D]; cos, sin: [T, D]."""
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
         half = x.shape[-1] // 2
-        turned = torch.cat((-x[..., half:], x[..., :half]), dim=-1).float()
-        a = (x.float() * cos.float()[:, None]).to(x.dtype)
-        b = (turned * sin.float()[:, None]).to(x.dtype)
-        return (a.float() + b.float()).to(x.dtype)
+        x32 = x.float()
+        turned = torch.cat((-x32[..., half:], x32[..., :half]), dim=-1)
+        return (x32 * cos.float()[:, None] + turned * sin.float()[:, None]).to(x.dtype)
 
     return rotate(q), rotate(k)
 
 
 def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up, gate_up = cat(gate, up) on the last dim [T, 2 * I]; the activation is
-    rounded to the dtype before the product (as transformers' gated MLP)."""
+    """silu(gate) * up, gate_up = cat(gate, up) on the last dim: [T, 2 * I] -> [T, I]."""
     gate, up = gate_up.float().chunk(2, dim=-1)
-    act = torch.nn.functional.silu(gate).to(gate_up.dtype).float()
-    return (act * up).to(gate_up.dtype)
+    return (torch.nn.functional.silu(gate) * up).to(gate_up.dtype)

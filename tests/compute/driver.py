@@ -134,8 +134,11 @@ class GreedyDriver:
 
 
 def reference_model(model: PreTrainedModel) -> PreTrainedModel:
-    """The same weights with transformers' own attention (SDPA)."""
+    """The same weights with transformers' own attention (SDPA) and forwards (those that
+    ``compute.fused`` bound to the instances are dropped)."""
     ref = copy.deepcopy(model)
+    for module in ref.modules():
+        vars(module).pop("forward", None)
     ref.set_attn_implementation("sdpa")
     assert model.config._attn_implementation == ATTN_NAME
     return ref.eval()

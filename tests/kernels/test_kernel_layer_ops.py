@@ -13,6 +13,18 @@ F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 # The CPU cases use fp32 and fp16: Triton's interpreter does not round to bf16 as the GPU does.
 
 
+def assert_within_rounding(
+    got: torch.Tensor, want: torch.Tensor, steps: float = 1, floor: float = 1e-3
+) -> None:
+    """Every element within ``steps`` rounding steps of the dtype (fp32: float error only),
+    relative to the element or, near zero, to ``floor`` times the tensor's largest."""
+    assert got.shape == want.shape and got.dtype == want.dtype
+    eps = torch.finfo(got.dtype).eps if got.dtype != F32 else 1e-6
+    scale = want.float().abs().clamp_min(floor * want.float().abs().max())
+    err = (got.float() - want.float()).abs()
+    assert (err <= steps * eps * scale).all(), f"max error {float((err / scale).max())}"
+
+
 def cos_sin(tokens: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> tuple:
     """Rows as transformers' rotary modules build them: angles of both halves equal."""
     positions = torch.arange(tokens, dtype=torch.float32)[:, None] * 7 % 1000
@@ -28,13 +40,7 @@ def check_rms_norm(shape: tuple[int, ...], dtype: torch.dtype, device: torch.dev
     got = rms_norm(x, weight, 1e-5)
     want = rms_norm_reference(x, weight, 1e-5)
     assert torch.equal(x, before), "rms_norm wrote its input"
-    assert got.shape == x.shape and got.dtype == dtype
-    if dtype == F32:
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    else:  # the reduction's order differs: at most one rounding step apart, mostly equal
-        ulp = torch.finfo(dtype).eps * want.abs().clamp_min(torch.finfo(dtype).tiny)
-        assert ((got.float() - want.float()).abs() <= 2 * ulp.float()).all()
-        assert (got == want).float().mean() > 0.95
+    assert_within_rounding(got, want)  # the reduction's order differs
 
 
 def check_rotary(
@@ -45,11 +51,8 @@ def check_rotary(
     cos, sin = cos_sin(tokens, head_dim, dtype, device)
     q_got, k_got = rotary(q, k, cos, sin)
     q_want, k_want = rotary_reference(q, k, cos, sin)
-    if dtype == F32:  # a fused multiply-add may round once where torch rounds twice
-        torch.testing.assert_close(q_got, q_want, rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(k_got, k_want, rtol=1e-6, atol=1e-6)
-    else:  # every product and sum rounded where the reference rounds: bit for bit
-        assert torch.equal(q_got, q_want) and torch.equal(k_got, k_want)
+    assert_within_rounding(q_got, q_want)  # a fused multiply-add may round once less
+    assert_within_rounding(k_got, k_want)
 
 
 @pytest.mark.parametrize(
@@ -67,8 +70,9 @@ def test_rotary_matches_reference(tokens, q_heads, kv_heads, head_dim, dtype, de
     check_rotary(tokens, q_heads, kv_heads, head_dim, dtype, device)
 
 
-def test_rotary_equals_transformers_apply_rotary_pos_emb(device) -> None:
-    """The reference's definition is transformers' own: the same numbers from its function."""
+def test_rotary_is_transformers_apply_rotary_pos_emb(device) -> None:
+    """The same function as transformers' own, up to its extra roundings (one per op: where
+    the two products nearly cancel, they are large against the result)."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     dtype = BF16 if device.type == "cuda" else F16
@@ -79,8 +83,8 @@ def test_rotary_equals_transformers_apply_rotary_pos_emb(device) -> None:
         q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos[None], sin[None]
     )
     got_q, got_k = rotary(q, k, cos, sin)
-    assert torch.equal(got_q, want_q[0].transpose(0, 1))
-    assert torch.equal(got_k, want_k[0].transpose(0, 1))
+    assert_within_rounding(got_q, want_q[0].transpose(0, 1), steps=2, floor=1.0)
+    assert_within_rounding(got_k, want_k[0].transpose(0, 1), steps=2, floor=1.0)
 
 
 def test_rotary_reads_slices_of_a_fused_projection(device) -> None:
@@ -91,18 +95,15 @@ def test_rotary_reads_slices_of_a_fused_projection(device) -> None:
     want = rotary_reference(q.contiguous(), k.contiguous(), cos, sin)
     for g, w in zip(got, want, strict=True):
         assert g.is_contiguous()
-        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+        assert_within_rounding(g, w)
 
 
 def check_silu_mul(tokens: int, n: int, dtype: torch.dtype, device: torch.device) -> None:
     gate_up = randn((tokens, 2 * n + 6), dtype, device, 8)[:, : 2 * n] * 4  # a row stride
     got = silu_mul(gate_up)
     want = silu_mul_reference(gate_up)
-    assert got.shape == (tokens, n) and got.is_contiguous()
-    if dtype == F32:
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    else:  # exp's implementation may move the activation by one rounding step
-        torch.testing.assert_close(got, want, rtol=2 * torch.finfo(dtype).eps, atol=1e-3)
+    assert got.is_contiguous()
+    assert_within_rounding(got, want, steps=2)  # exp's implementation differs
 
 
 @pytest.mark.parametrize(("tokens", "n", "dtype"), [(3, 40, F32), (2, 1500, F32), (4, 64, F16)])
