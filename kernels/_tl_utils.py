@@ -9,7 +9,7 @@ constant); triton reads only the ``constexpr`` ones.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol, cast
+from typing import Any, Protocol, cast, overload
 
 import triton
 import triton.language as tl
@@ -26,9 +26,23 @@ class Kernel(Protocol):
     def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
 
 
-def jit(fn: Callable[..., object]) -> Kernel:
-    """``@triton.jit``, typed."""
-    return cast(Kernel, triton.jit(fn))
+@overload
+def jit(fn: Callable[..., object]) -> Kernel: ...
+@overload
+def jit(*, varying: tuple[str, ...]) -> Callable[[Callable[..., object]], Kernel]: ...
+def jit(
+    fn: Callable[..., object] | None = None, *, varying: tuple[str, ...] = ()
+) -> Kernel | Callable[[Callable[..., object]], Kernel]:
+    """``@triton.jit``, typed; ``@jit(varying=(...))`` names the integer arguments whose value
+    changes from one launch to the next (a step's tile count, a block table's width): triton
+    would compile a variant per class of their value (1, a multiple of 16, other), and a
+    server would stall for a second whenever traffic first met one, so they are never
+    specialised (``do_not_specialize``)."""
+
+    def wrap(f: Callable[..., object]) -> Kernel:
+        return cast(Kernel, triton.jit(f, do_not_specialize=list(varying)))
+
+    return wrap if fn is None else wrap(fn)
 
 
 @jit

@@ -21,7 +21,7 @@ from kernels._tl_utils import jit
 __all__ = ["copy_blocks", "store_kv"]
 
 
-@jit
+@jit(varying=("stride_kt", "stride_vt"))
 def _store_kv_kernel(
     key_ptr: tl.tensor,
     value_ptr: tl.tensor,

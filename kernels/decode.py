@@ -54,7 +54,7 @@ def _decode_step(
     return acc, m_new, l_i
 
 
-@jit
+@jit(varying=("tokens_per_split", "num_splits", "stride_btb"))
 def _decode_kernel(
     q_ptr: tl.tensor,
     k_ptr: tl.tensor,
@@ -129,7 +129,7 @@ def _decode_kernel(
         tl.store(lse_ptr + row, m_i + tl.log2(l_safe), mask=g_mask)
 
 
-@jit
+@jit(varying=("tokens_per_split", "num_splits"))
 def _reduce_kernel(
     part_ptr: tl.tensor,
     lse_ptr: tl.tensor,

@@ -95,7 +95,7 @@ def _rotate_heads(
     tl.store(dst + HALF, (x2 * c2[None, :] + x1 * s2[None, :]).to(dt), mask=mask)
 
 
-@jit
+@jit(varying=("stride_qt", "stride_kt"))
 def _rotary_kernel(
     q_ptr: tl.tensor,
     k_ptr: tl.tensor,
@@ -160,7 +160,7 @@ def rotary(
     return q_out, k_out
 
 
-@jit
+@jit(varying=("stride_xt",))
 def _silu_mul_kernel(
     x_ptr: tl.tensor, out_ptr: tl.tensor, stride_xt: tl.tensor, n: tl.tensor, BLOCK: tl.constexpr
 ) -> None:

@@ -76,7 +76,7 @@ def _tile_step(
     return acc, m_new, l_i
 
 
-@jit
+@jit(varying=("num_m_tiles", "stride_btb"))
 def _prefill_kernel(
     q_ptr: tl.tensor,
     k_ptr: tl.tensor,
