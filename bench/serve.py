@@ -55,37 +55,38 @@ class CanGenerate(Protocol):
     def generate(self, **kwargs: Any) -> object: ...
 
 
-def llama_1b_config() -> LlamaConfig:
+def llama_config(**geometry: Any) -> LlamaConfig:
+    """A Llama-3 family config: its 128k vocabulary, 32 query / 8 KV heads, rope theta 500k."""
     return LlamaConfig(
         vocab_size=128256,
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_hidden_layers=16,
         num_attention_heads=32,
         num_key_value_heads=8,
-        head_dim=64,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
         rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
         bos_token_id=128000,
         eos_token_id=128001,
+        **geometry,
+    )
+
+
+def llama_1b_config() -> LlamaConfig:
+    return llama_config(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        head_dim=64,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
     )
 
 
 def llama_8b_config() -> LlamaConfig:
-    return LlamaConfig(
-        vocab_size=128256,
+    return llama_config(
         hidden_size=4096,
         intermediate_size=14336,
         num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
         head_dim=128,
         max_position_embeddings=8192,
         tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
-        bos_token_id=128000,
-        eos_token_id=128001,
     )
 
 
