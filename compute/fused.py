@@ -51,7 +51,7 @@ class Fused:
 # ``self`` below is the transformers module the function is bound to (typed Any: its attributes
 # are the family's).
 def rms_norm_forward(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
-    """The Llama-family RMSNorm (``weight * norm(x).to(dtype)``) as one kernel."""
+    """The Llama-family RMSNorm (``weight * x * rsqrt(mean(x^2) + eps)``) as one kernel."""
     from kernels import rms_norm
 
     return rms_norm(hidden_states.contiguous(), self.weight, float(self.variance_epsilon))
