@@ -62,10 +62,6 @@ class KVSync:
     # swap-out reads the victim's blocks and whose freed blocks may go to another request.
     quiesce: Callable[[], None] = field(default=lambda: None)
 
-    def step(self, computed: set[str]) -> list[Refusal]:
-        """``send`` then ``receive``: one whole kvstore step."""
-        return self.receive(self.send(computed))
-
     def send(self, computed: set[str]) -> Sent:
         """Sends the step's forks and frees, reports the progress of every running sequence
         ``computed`` this step or holding unreported tokens (decodes as one columnar

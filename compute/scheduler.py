@@ -5,7 +5,7 @@ which one is preempted when the kvstore runs out of blocks.
 Pure Python, owned and called by the engine loop's single thread. Block tables only ever come
 from the kvstore's replies (``placed``/``grown``); the scheduler never invents a block id.
 
-Overlap (``compute.overlap``): a step is launched before the previous one's tokens reach the
+Overlap (``compute.model_step``): a step is launched before the previous one's tokens reach the
 host. A sequence whose last sampled token is still on the device (``inflight``) runs its next
 decode with that token fed from the device (a ``fed`` chunk), provided its block table already
 has the slot and its ``max_len`` allows another token; otherwise it waits a step.
@@ -212,14 +212,6 @@ class Scheduler:
         if sampling:
             seq.inflight += 1
             seq.feedable = feedable
-
-    def computed(self, chunk: Chunk, new_token: int | None) -> None:
-        """A step run synchronously: ``launched``, ``processed`` and, if ``new_token`` was drawn,
-        ``sampled`` at once."""
-        self.launched(chunk, new_token is not None, feedable=False)
-        self.processed(chunk)
-        if new_token is not None:
-            self.sampled(chunk.seq, new_token)
 
     def processed(self, chunk: Chunk) -> None:
         """The step that computed ``chunk`` finished: its KV is written (unless the sequence

@@ -84,15 +84,17 @@ class KVClient:
 
     def receive(self, body: p.Request, call_id: int) -> p.ReplyBody:
         """The reply to ``send(body)`` (as ``call``)."""
-        while True:
-            reply = p.decode_reply(self._receive())
-            if reply.call_id in (call_id, 0):
-                return expect_reply(body, reply.body)
+        return expect_reply(body, self._reply(call_id).body)
 
     def call_raw(self, *frames: bytes, call_id: int | None = None) -> p.Reply:
         """Sends raw frames and waits for the reply to ``call_id`` (None: the next reply; tests
-        send garbage this way). Replies to earlier, timed-out calls are skipped."""
+        send garbage this way)."""
         self._sock.send_multipart(list(frames))
+        return self._reply(call_id)
+
+    def _reply(self, call_id: int | None) -> p.Reply:
+        """The next reply to ``call_id`` (None: any), or to no call (id 0: an error about the
+        frame itself). Replies to earlier, timed-out calls are skipped."""
         while True:
             reply = p.decode_reply(self._receive())
             if call_id is None or reply.call_id in (call_id, 0):

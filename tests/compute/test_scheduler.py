@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from compute.scheduler import Scheduler, SchedulerConfig, SeqStatus
+from compute.scheduler import Chunk, Scheduler, SchedulerConfig, SeqStatus
 from kvstore.manager import KVCacheManager
 from kvstore.requests import KVError
 
@@ -15,6 +15,14 @@ BS = 4
 
 def scheduler(seqs: int = 8, tokens: int = 16) -> Scheduler:
     return Scheduler(SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=tokens), BS)
+
+
+def compute(s: Scheduler, chunk: Chunk, new_token: int | None) -> None:
+    """A step run synchronously: launched, processed and, if ``new_token`` was drawn, sampled."""
+    s.launched(chunk, new_token is not None, feedable=False)
+    s.processed(chunk)
+    if new_token is not None:
+        s.sampled(chunk.seq, new_token)
 
 
 def test_decodes_first_then_prefill_chunks_within_the_budget() -> None:
@@ -29,8 +37,8 @@ def test_decodes_first_then_prefill_chunks_within_the_budget() -> None:
         ("b", 2, 1, True),  # the decode goes first whatever its arrival
         ("a", 0, 9, False),  # then the oldest prefill, cut by the budget
     ]
-    s.computed(chunks[0], new_token=42)
-    s.computed(chunks[1], new_token=None)
+    compute(s, chunks[0], new_token=42)
+    compute(s, chunks[1], new_token=None)
     assert b.token_ids == [0, 1, 2, 42] and (a.num_computed, b.num_computed) == (9, 3)
     assert b.unreported == [42] and b.num_pending == 0  # not computed before it is reported
     assert [(ch.seq.seq_id, ch.start) for ch in s.schedule()] == [("a", 9), ("c", 0)]
@@ -43,7 +51,7 @@ def test_decodes_first_then_prefill_chunks_within_the_budget() -> None:
         ("c", 0, 6),
     ]
     with pytest.raises(AssertionError, match="mid-prompt"):
-        s.computed(chunks[2], new_token=5)
+        compute(s, chunks[2], new_token=5)
     assert s.seqs["c"].num_computed == 0  # a refused update changes nothing
 
 
@@ -108,7 +116,7 @@ def test_every_sequence_finishes_under_memory_pressure(
             s.placed(seq.seq_id, placed.block_ids, placed.num_computed, known)
         chunks = s.schedule()
         for chunk in chunks:  # the forward pass
-            s.computed(chunk, 7 if chunk.samples else None)
+            compute(s, chunk, 7 if chunk.samples else None)
         for seq in s.running():  # the step's appends, oldest first; preempt on no room
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted above to make room
@@ -147,7 +155,7 @@ def test_fork_shares_reported_tokens_and_blocks() -> None:
     s.add("p", list(range(6)))
     s.placed("p", [3, 4], 0, 6)
     [chunk] = s.schedule()
-    s.computed(chunk, new_token=50)
+    compute(s, chunk, new_token=50)
     child = s.fork("p", "p#1", 51)
     assert child.token_ids == [0, 1, 2, 3, 4, 5, 51] and child.unreported == [51]
     assert (child.block_ids, child.num_computed, child.status) == ([3, 4], 6, SeqStatus.RUNNING)
