@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import time
 from typing import Any
 
 import aiohttp
@@ -57,35 +60,39 @@ def test_200_streams_aborted_midway_leave_no_block_held(stack: Stack) -> None:
 
 
 def test_non_streaming_client_that_leaves_aborts_too(stack: Stack) -> None:
+    """The worker is paused (SIGSTOP) while the client sends and leaves, so the request cannot
+    finish first (the tiny model serves its 3000 tokens in about a second): the gateway must
+    set its abort key, and the resumed worker end it with "abort"."""
     r = redis.Redis.from_url(stack.redis_url)
     aborted_before = set(r.scan_iter(match=queue_keys.abort_key("*")))
+    workers = [w["pid"] for w in stack.admin("/admin/requests")["workers"]]
+    queued_before = r.xlen(queue_keys.REQUEST_STREAM)  # pending entries stay until acked
 
     async def scenario() -> None:
         async with session() as s:
             body = {"prompt": "patience", "max_tokens": 3000, "ignore_eos": True}
-            before = await asyncio.to_thread(live_ids, stack)
             request = asyncio.create_task(s.post(f"{stack.url}/v1/completions", json=body))
-            # Leave once the kvstore holds it (a fixed sleep raced the worker, which can serve
-            # 3000 tiny tokens in about 2 s): it is running, far from its 3000th token. Only a
-            # new id counts: requests of a gateway an earlier test killed may still be live.
-            for _ in range(200):
-                if await asyncio.to_thread(live_ids, stack) - before:
-                    break
-                await asyncio.sleep(0.05)
-            else:
-                raise AssertionError("the request never reached the kvstore")
+            deadline = time.monotonic() + 30
+            while r.xlen(queue_keys.REQUEST_STREAM) == queued_before:  # not queued yet
+                assert time.monotonic() < deadline, "the gateway never queued the request"
+                await asyncio.sleep(0.02)
             request.cancel()  # closes the connection before any answer
+            while not set(r.scan_iter(match=queue_keys.abort_key("*"))) - aborted_before:
+                assert time.monotonic() < deadline, "the gateway set no abort key"
+                await asyncio.sleep(0.02)
 
-    run(scenario())
+    for pid in workers:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        run(scenario())
+    finally:
+        for pid in workers:
+            os.kill(pid, signal.SIGCONT)
     stack.wait_blocks_released(timeout_s=60)
     [key] = set(r.scan_iter(match=queue_keys.abort_key("*"))) - aborted_before
     streamed = queue_worker.read_streamed(r, key.decode().removeprefix(queue_keys.abort_key("")))
     assert streamed.final and streamed.sequences[0].finish_reason == "abort"
     assert len(streamed.sequences[0].token_ids) < 3000
-
-
-def live_ids(stack: Stack) -> set[str]:
-    return {row["req_id"] for row in stack.admin("/admin/requests")["requests"]}
 
 
 def published_text(r: redis.Redis, req_id: str) -> tuple[str, int]:
