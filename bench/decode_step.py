@@ -7,10 +7,17 @@ Triton kernels) over a local paged pool; CUDA events around the replay alone tim
 ``--copy-tb-s`` (the H200's measured device copy).
 
     python bench/decode_step.py [--batch 128] [--context 600] [--copy-tb-s 4.28] [--profile]
-        [--unfused]
+        [--unfused] [--prefill N [--graph-tokens M] [--host-profile]]
 
 ``--profile`` also lists the kernels of one replay (``torch.profiler``): device time and count
 per kernel name, and how much of the replay is kernel time (the rest: gaps between kernels).
+
+``--prefill N`` times a mixed step instead: the batch's decodes beside one prompt chunk of N
+tokens, as the engine runs it (``ModelRunner.forward``: eagerly, or replaying piecewise graphs
+with ``--graph-tokens``). It reports the host time to enqueue
+the step, the device time from its first kernel to its last with the host ahead (the step
+enqueued behind a sleeping kernel), and with ``--host-profile`` the functions that cost the
+most host time (cProfile).
 """
 
 from __future__ import annotations
@@ -39,6 +46,11 @@ def main() -> None:
     parser.add_argument(
         "--unfused", action="store_true", help="transformers' own norm and attention forwards"
     )
+    parser.add_argument("--prefill", type=int, default=0, help="time a mixed step: N prompt tokens")
+    parser.add_argument("--host-profile", action="store_true", help="cProfile the mixed step")
+    parser.add_argument(
+        "--graph-tokens", type=int, default=0, help="mixed step: piecewise graphs up to N tokens"
+    )
     args = parser.parse_args()
     config = llama_1b_config()
     model = build_model(config, "paged", fused=not args.unfused)
@@ -46,14 +58,22 @@ def main() -> None:
     kv, d = config.num_key_value_heads or 8, config.head_dim or 64
     per_request = -(-(args.context + 1) // bs)
     blocks = args.batch * per_request + 1
-    pool = torch.zeros(blocks, layers, 2, bs, kv, d, dtype=torch.bfloat16, device="cuda")
-    runner = ModelRunner(model, pool, bs, cuda_graph_max_batch=args.batch)
+    prompt = -(-args.prefill // bs)  # the mixed step's prompt blocks
+    pool = torch.zeros(blocks + prompt, layers, 2, bs, kv, d, dtype=torch.bfloat16, device="cuda")
+    graphs = 0 if args.prefill else args.batch  # a mixed step replays no decode graph
+    runner = ModelRunner(model, pool, bs, graphs, args.graph_tokens)
     batch = [
         ScheduledChunk(
             [1], args.context, list(range(1 + b * per_request, 1 + (b + 1) * per_request))
         )
         for b in range(args.batch)
     ]
+    if args.prefill:
+        chunk = ScheduledChunk([1] * args.prefill, 0, list(range(blocks, blocks + prompt)))
+        mixed_step(runner, [*batch, chunk], args)
+        if args.profile:
+            print_kernels(lambda: runner.forward([*batch, chunk]), 0.0)
+        return
     for _ in range(3):
         runner.forward(batch)
     torch.cuda.synchronize()
@@ -81,6 +101,48 @@ def main() -> None:
     )
     if args.profile:
         print_kernels(lambda: graphs.replay(args.batch), step_ms)
+
+
+def mixed_step(runner: ModelRunner, batch: list[ScheduledChunk], args: argparse.Namespace) -> None:
+    """Host time to enqueue one eager mixed step, and its device time when the host is ahead."""
+    import cProfile
+    import pstats
+    import time
+
+    for _ in range(3):
+        runner.forward(batch)
+    torch.cuda.synchronize()
+    host, device = [], []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(args.steps):
+        torch.cuda.synchronize()
+        clock = time.perf_counter()
+        runner.forward(batch)
+        host.append((time.perf_counter() - clock) * 1e3)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of device time: the host enqueues far ahead
+        start.record()
+        runner.forward(batch)
+        end.record()
+        end.synchronize()
+        device.append(start.elapsed_time(end))
+    tokens = sum(len(c.token_ids) for c in batch)
+    mode = f"piecewise graphs to {args.graph_tokens} tokens" if args.graph_tokens else "eager"
+    print(
+        f"mixed step ({mode}): {len(batch) - 1} decodes (context {args.context}) + "
+        f"{args.prefill} prompt tokens = {tokens} tokens: host enqueue "
+        f"{sorted(host)[len(host) // 2]:.3f} ms, device {sorted(device)[len(device) // 2]:.3f} "
+        f"ms (medians of {args.steps})"
+    )
+    if args.host_profile:
+        torch.cuda.synchronize()
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(10):
+            runner.forward(batch)
+        profiler.disable()
+        torch.cuda.synchronize()
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
 
 
 def print_kernels(replay: Callable[[], object], step_ms: float, replays: int = 10) -> None:

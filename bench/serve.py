@@ -204,6 +204,7 @@ def run_ours(
     cprofile: bool = False,
     fused: bool = True,
     shape: str = "1b",
+    graph_tokens: int = 2048,
 ) -> dict:
     import compute.attention  # noqa: F401  (registers the "paged" attention function)
     from compute.engine import Engine
@@ -231,6 +232,7 @@ def run_ours(
                 SchedulerConfig(seqs, 8192),
                 profile,
                 cuda_graph_max_batch=cuda_graphs,
+                cuda_graph_max_tokens=graph_tokens,
             )
             capture_s = time.perf_counter() - started
             serve_jobs(engine, url, jobs[:4], "warmup")  # compiles the kernels
@@ -312,7 +314,9 @@ def one_run(args: argparse.Namespace) -> dict:
     jobs = workload(args.requests)
     if args.mode == "ours":
         graphs, fused = args.cuda_graphs, not args.unfused
-        return run_ours(jobs, args.max_num_seqs, graphs, args.profile, fused, args.shape)
+        return run_ours(
+            jobs, args.max_num_seqs, graphs, args.profile, fused, args.shape, args.graph_tokens
+        )
     if args.mode == "hf-cb":
         return run_hf_continuous(jobs)
     return run_hf_static(jobs)
@@ -335,6 +339,12 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="1b", help="ours: the model")
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--cuda-graphs", type=int, default=256, help="0: eager decode steps")
+    parser.add_argument(
+        "--graph-tokens",
+        type=int,
+        default=2048,
+        help="piecewise graphs up to; 0: eager mixed steps",
+    )
     parser.add_argument("--skip-baselines", action="store_true")
     parser.add_argument("--mode", choices=["ours", "hf-cb", "hf-static"])
     parser.add_argument("--profile", action="store_true", help="ours: cProfile to stderr")

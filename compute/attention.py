@@ -12,25 +12,31 @@ chunks and decodes alike), request ``b`` owning rows ``cu_seqlens_q[b]:cu_seqlen
 ``position_ids [1, T]`` are per-request positions, so rotary is right without any mask.
 
 The function writes the layer's new K/V into the paged pool (``slot_mapping``) and then attends
-through the block tables with ``paged_prefill``, which handles q_len 1 decode rows too (a step of
-decodes only takes the split-K ``paged_decode`` instead). On CUDA it
-runs the Triton kernels of ``kernels``; on CPU the pure-torch references of ``kernels.reference``
-(with an in-place store, since the reference store returns new tensors).
+through the block tables (``attend``): the step's leading one-token chunks (its decodes: the
+scheduler puts them first) with the split-K ``paged_decode``, the rest with ``paged_prefill``.
+The prefill kernel gives every chunk whole query tiles, so a decode row run through it would
+waste most of a tile: a step of 255 decodes beside one prompt spent 3.9 of its 7.0 ms there
+(BENCHMARKS.md). On CUDA it runs the Triton kernels of ``kernels``; on CPU the pure-torch
+references of ``kernels.reference`` (with an in-place store, since the reference store returns
+new tensors).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 from transformers import AttentionInterface
 
-from kernels.reference import paged_prefill_reference
+from kernels.reference import paged_decode_reference, paged_prefill_reference
 
 __all__ = [
     "ATTN_NAME",
     "PagedBatch",
+    "attend",
+    "check_window",
     "copy_blocks_inplace",
     "paged_attention_forward",
     "store_kv_inplace",
@@ -53,7 +59,11 @@ class PagedBatch:
     max_query_len: int  # largest chunk in the batch (host int: no device sync in the kernel)
     max_context_len: int  # largest context_lens entry (host int)
     pool: torch.Tensor  # [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]
-    decode: bool = False  # every chunk is one token: the split-K decode kernel (CUDA)
+    num_decodes: int = 0  # the first chunks that are one token each (rows 0..num_decodes-1)
+    # Set while piecewise CUDA graphs are captured (``compute.piecewise``): each layer stores
+    # its K/V, then hands (layer, query [T, Hq, D], scaling, sliding window) to ``split`` and
+    # returns its result, [T, Hq, D], instead of attending.
+    split: Callable[[int, torch.Tensor, float, int | None], torch.Tensor] | None = None
 
 
 def store_kv_inplace(
@@ -121,10 +131,8 @@ def paged_attention_forward(
         raise ValueError("paged attention takes no attention_mask (packed batch, causal by rows)")
     if softcap is not None:
         raise NotImplementedError("paged attention does not support logit softcapping")
-    if sliding_window is not None and paged.max_context_len > sliding_window:
-        raise NotImplementedError(
-            f"sliding window {sliding_window} < context {paged.max_context_len} is not supported"
-        )
+    if paged.split is None:  # else the replay checks the step's contexts
+        check_window(sliding_window, paged.max_context_len)
     assert query.shape[0] == 1, f"packed batch expected, got query {tuple(query.shape)}"
     layer = cast(int, module.layer_idx)  # torch types a Module's attributes Tensor | Module
     if scaling is None:
@@ -132,30 +140,60 @@ def paged_attention_forward(
     q = query[0].transpose(0, 1)  # [T, Hq, D]
     k = key[0].transpose(0, 1)  # [T, Hkv, D]
     v = value[0].transpose(0, 1)  # [T, Hkv, D]
+    if q.is_cuda:
+        from kernels import store_kv as store
+    else:
+        store = store_kv_inplace
+    store(k, v, paged.pool[:, layer, 0], paged.pool[:, layer, 1], paged.slot_mapping)
+    if paged.split is not None:
+        return paged.split(layer, q, scaling, sliding_window).unsqueeze(0), None
+    return attend(q, layer, paged, scaling).unsqueeze(0), None  # [1, T, Hq, D]
+
+
+def check_window(sliding_window: int | None, max_context_len: int) -> None:
+    """Sliding-window attention is not implemented: a window no context reaches is causal."""
+    if sliding_window is not None and max_context_len > sliding_window:
+        raise NotImplementedError(
+            f"sliding window {sliding_window} < context {max_context_len} is not supported"
+        )
+
+
+def attend(
+    q: torch.Tensor,
+    layer: int,
+    paged: PagedBatch,
+    scaling: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of a step's packed queries q [T, Hq, D] over the pool's layer ``layer`` (its
+    K/V already stored): ``paged.num_decodes`` leading decodes through the decode kernel, the
+    other chunks through the prefill kernel. Writes into ``out`` ([T, Hq, D], q's dtype) if
+    given, else a new tensor; returns it."""
     k_cache = paged.pool[:, layer, 0]  # [num_blocks, block_size, Hkv, D]
     v_cache = paged.pool[:, layer, 1]
     if q.is_cuda:
-        from kernels import paged_prefill as attend
-        from kernels import store_kv as store
-    else:  # the pure-torch reference, with an in-place store
-        attend, store = paged_prefill_reference, store_kv_inplace
-    store(k, v, k_cache, v_cache, paged.slot_mapping)
-    if paged.decode and q.is_cuda:
-        from kernels import paged_decode
-
-        out = paged_decode(q, k_cache, v_cache, paged.block_tables, paged.context_lens, scaling)
-        return out.unsqueeze(0), None  # [1, B, Hq, D]
-    out = attend(
-        q,
-        k_cache,
-        v_cache,
-        paged.block_tables,
-        paged.cu_seqlens_q,
-        paged.context_lens,
-        scaling,
-        paged.max_query_len,
-    )
-    return out.unsqueeze(0), None  # [1, T, Hq, D]
+        from kernels import paged_decode as decode
+        from kernels import paged_prefill as prefill
+    else:
+        decode, prefill = paged_decode_reference, paged_prefill_reference
+    out = torch.empty_like(q) if out is None else out
+    d, batch = paged.num_decodes, paged.context_lens.shape[0]
+    if d > 0:
+        tables, lens = paged.block_tables[:d], paged.context_lens[:d]
+        decode(q[:d], k_cache, v_cache, tables, lens, scaling, out=out[:d])
+    if d < batch:  # the prefill kernel reads each chunk's rows from cu_seqlens_q[d:]
+        prefill(
+            q,
+            k_cache,
+            v_cache,
+            paged.block_tables[d:],
+            paged.cu_seqlens_q[d:],
+            paged.context_lens[d:],
+            scaling,
+            paged.max_query_len,
+            out=out,
+        )
+    return out
 
 
 AttentionInterface.register(ATTN_NAME, paged_attention_forward)

@@ -81,12 +81,14 @@ class Engine:
         prefill_profile: list[tuple[int, float]],
         claim_idle_ms: int = queue_keys.CLAIM_IDLE_MS,
         cuda_graph_max_batch: int = 0,
+        cuda_graph_max_tokens: int = 0,
     ) -> None:
         """Registers at the kvstore, maps its pool and takes back the requests a previous
         process under ``worker_id`` left pending. ``claim_idle_ms``: a pending request untouched
         this long belongs to a dead worker and this one takes it over (live workers renew theirs
         every ``claim_idle_ms / 4``). ``cuda_graph_max_batch``: decode steps up to that size
-        replay CUDA graphs (CUDA only)."""
+        replay CUDA graphs; ``cuda_graph_max_tokens``: other steps up to that many tokens
+        replay piecewise graphs (CUDA only, ``ModelRunner``)."""
         self.worker_id = worker_id
         self.model = model
         self.tokenizer = tokenizer
@@ -96,6 +98,7 @@ class Engine:
         self.prefill_profile = prefill_profile
         self.claim_idle_ms = claim_idle_ms
         self.cuda_graph_max_batch = cuda_graph_max_batch
+        self.cuda_graph_max_tokens = cuda_graph_max_tokens
         eos = model.generation_config.eos_token_id
         self._decode = output_decoder(tokenizer)
         self.eos_ids = {eos} if isinstance(eos, int) else set(eos or [])
@@ -157,7 +160,8 @@ class Engine:
                 f"{self.model.device.type}: start both on the same device"
             )
         graphs = min(self.cuda_graph_max_batch, self.config.max_num_seqs)
-        self.runner = ModelRunner(self.model, pool, info.block_size, graphs)
+        tokens = min(self.cuda_graph_max_tokens, self.config.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, pool, info.block_size, graphs, tokens)
         self._pool = info
 
     def recover(self, error: Exception, stop: Callable[[], bool]) -> bool:

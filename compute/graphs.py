@@ -96,7 +96,7 @@ class DecodeGraphs:
             max_query_len=1,
             max_context_len=self.tables.shape[1] * self.block_size,
             pool=self.pool,
-            decode=True,
+            num_decodes=size,
         )
         out = self.model(
             input_ids=self.input_ids[:, :size],

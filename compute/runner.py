@@ -10,6 +10,7 @@ request's last scheduled token. Tokens whose KV is written are the caller's to r
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -18,10 +19,13 @@ from transformers import PreTrainedModel
 
 from compute.attention import ATTN_NAME, PagedBatch, copy_blocks_inplace
 from compute.graphs import DecodeGraphs
+from compute.piecewise import PIECEWISE_MODEL_TYPES, PiecewiseGraphs
 from compute.transfer import to_device
 from contracts.model_config import kv_geometry
 
 __all__ = ["Feed", "ModelRunner", "ScheduledChunk"]
+
+log = logging.getLogger("pagedserve.compute")
 
 
 @dataclass(frozen=True)
@@ -73,9 +77,13 @@ class ModelRunner:
         pool: torch.Tensor,
         block_size: int,
         cuda_graph_max_batch: int = 0,
+        cuda_graph_max_tokens: int = 0,
     ) -> None:
         """``cuda_graph_max_batch`` > 0 (CUDA only): capture decode forwards of up to that many
-        requests as CUDA graphs now, and replay them for decode-only steps."""
+        requests as CUDA graphs now, and replay them for decode-only steps.
+        ``cuda_graph_max_tokens`` > 0 (CUDA, Llama/Mistral/Qwen2/Qwen3): capture the pieces of
+        forwards of up to that many tokens between attentions (``compute.piecewise``), and
+        replay them for the other steps that fit."""
         config = model.config
         if config._attn_implementation != ATTN_NAME:
             raise ValueError(
@@ -106,6 +114,16 @@ class ModelRunner:
             max_blocks = -(-config.max_position_embeddings // block_size)
             self.graphs = DecodeGraphs(model, pool, block_size, cuda_graph_max_batch, max_blocks)
             self.graphs.capture()
+        self.pieces: PiecewiseGraphs | None = None
+        if cuda_graph_max_tokens > 0 and pool.is_cuda:
+            if config.model_type in PIECEWISE_MODEL_TYPES:
+                self.pieces = PiecewiseGraphs(model, pool, cuda_graph_max_tokens)
+                self.pieces.capture()
+            else:
+                log.info(
+                    "no piecewise CUDA graphs for %s models: mixed steps run eagerly",
+                    config.model_type,
+                )
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
         """Performs copy-on-write block copies, the ``(src, dst)`` of each ``(position, src,
@@ -167,7 +185,7 @@ class ModelRunner:
             max_query_len=max_query_len,
             max_context_len=max(packed.context_lens),
             pool=self.pool,
-            decode=max_query_len == 1,
+            num_decodes=next((i for i, c in enumerate(batch) if len(c.token_ids) > 1), len(batch)),
         )
         return inputs, paged
 
@@ -194,6 +212,9 @@ class ModelRunner:
         if feed is not None:
             cu = self.pack_offsets(batch)
             self._scatter(inputs["input_ids"][0], feed, [cu[i] for i in feed.chunks])
+        ids, keep = inputs["input_ids"], inputs["logits_to_keep"]
+        if self.pieces is not None and self.pieces.fits(ids.shape[1]):
+            return self.pieces.replay(ids, inputs["position_ids"], paged, keep).float()
         out = self.model(**inputs, use_cache=False, paged=paged)
         return out.logits[0].float()  # [B, vocab]
 

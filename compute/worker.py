@@ -70,6 +70,15 @@ class ComputeConfig:
             "at startup (capped by --max-num-seqs); 0 runs every step eagerly"
         },
     )
+    cuda_graph_max_tokens: int = field(
+        default=2048,
+        metadata={
+            "help": "on CUDA (Llama, Mistral, Qwen2, Qwen3 models), capture the forwards of "
+            "other steps of up to this many tokens as CUDA graphs cut at each attention, "
+            "which runs eagerly between them (capped by --max-num-batched-tokens); 0 runs "
+            "them eagerly"
+        },
+    )
     log_level: str = field(default="INFO", metadata={"help": "logging level"})
 
 
@@ -133,6 +142,7 @@ def _start_engine(
                 profile,
                 config.claim_idle_ms,
                 config.cuda_graph_max_batch,
+                config.cuda_graph_max_tokens,
             )
         except RECOVERABLE as err:
             log.warning("cannot start serving yet (%s): retrying in %.1f s", err, delay)

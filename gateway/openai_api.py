@@ -18,6 +18,7 @@ hold in tokens is refused before it is tokenized).
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from typing import Any
@@ -31,6 +32,8 @@ from gateway.generation import Delta, Generation, GenerationError
 from gateway.prepare import Prepared, prepare_chat, prepare_completion
 from gateway.schemas import ChatRequest, CompletionRequest, decode_body
 from gateway.state import STATE, AppState
+
+log = logging.getLogger("pagedserve.gateway")
 
 _encode = msgspec.json.Encoder().encode
 KEEPALIVE = b": keep-alive\n\n"  # an SSE comment: clients ignore it, proxies see bytes
@@ -161,21 +164,24 @@ async def _stream(request: web.Request, gen: Generation, fmt: _Format) -> web.St
 
     n = len(gen.request.prompts) * gen.request.params.n
     opening = [fmt.opening(i, gen.request) for i in range(n)]
-    await response.write(b"".join(event([c]) for c in opening if c is not None))
     try:
-        async for deltas in gen.deltas():
-            if not deltas:
-                await response.write(KEEPALIVE)
-                continue
-            await response.write(b"".join(event([fmt.chunk(d)]) for d in deltas))
-    except GenerationError as err:
-        await response.write(b"data: " + _encode(err.error.body()) + b"\n\n")
-    if include_usage:
-        body = fmt.envelope(gen.request_id, gen.model.name, [], True, created)
-        body["usage"] = gen.usage().as_dict()
-        await response.write(b"data: " + _encode(body) + b"\n\n")
-    await response.write(b"data: [DONE]\n\n")
-    await response.write_eof()
+        await response.write(b"".join(event([c]) for c in opening if c is not None))
+        try:
+            async for deltas in gen.deltas():
+                if not deltas:
+                    await response.write(KEEPALIVE)
+                    continue
+                await response.write(b"".join(event([fmt.chunk(d)]) for d in deltas))
+        except GenerationError as err:
+            await response.write(b"data: " + _encode(err.error.body()) + b"\n\n")
+        if include_usage:
+            body = fmt.envelope(gen.request_id, gen.model.name, [], True, created)
+            body["usage"] = gen.usage().as_dict()
+            await response.write(b"data: " + _encode(body) + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+    except ConnectionResetError:  # the client left: the caller's ``gen.close()`` aborts it
+        log.info("request %s: the client closed the stream; aborting it", gen.request_id)
     return response
 
 

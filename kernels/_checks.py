@@ -232,6 +232,15 @@ def check_block_tables(
     return bt
 
 
+def check_out(out: object, query: torch.Tensor) -> torch.Tensor:
+    """An attention output given by the caller: the query's shape, dtype and device, last dim
+    contiguous (the kernels take the row and head strides)."""
+    dims = "[rows, q_heads, head_dim] (the query's shape)"
+    t = check_tensor("out", out, dims, tuple(query.shape), (query.dtype,), query.device, "query")
+    check_dense("out", t, 2, "contiguous along head_dim")
+    return t
+
+
 def check_attention_args(
     query: object, k_cache: object, v_cache: object, scale: object
 ) -> tuple[torch.Tensor, AttentionShape]:

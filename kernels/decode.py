@@ -19,6 +19,7 @@ from kernels._checks import (
     check_block_tables,
     check_index,
     check_optional_int,
+    check_out,
     next_pow2,
 )
 from kernels._tl_utils import jit, load_rows, mma
@@ -222,6 +223,7 @@ def paged_decode(
     context_lens: torch.Tensor,
     scale: float,
     num_splits: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention; returns out [B, q_heads, head_dim] in query.dtype.
 
@@ -233,6 +235,7 @@ def paged_decode(
     it covers are blocks of the cache; entries past a request's context are never read. The
     split bound is max_blocks * block_size, known on the host, so the call can be graph-captured.
     num_splits: None = heuristic (``choose_num_splits``), 1 = single-pass path, else >= 1.
+    out: where to write (``check_out``: the query's shape and dtype); None allocates it.
     """
     q, (block_size, q_heads, kv_heads, head_dim) = check_attention_args(
         query, k_cache, v_cache, scale
@@ -241,7 +244,7 @@ def paged_decode(
     check_block_tables(block_tables, batch, q.device)
     check_index("context_lens", context_lens, "[B]", batch, torch.int32, q.device, "query")
     check_optional_int("num_splits", num_splits, 1)
-    out = torch.empty_like(query)
+    out = torch.empty_like(query) if out is None else check_out(out, q)
     if batch == 0:
         return out
     group = q_heads // kv_heads

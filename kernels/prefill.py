@@ -21,6 +21,7 @@ from kernels._checks import (
     check_block_tables,
     check_index,
     check_optional_int,
+    check_out,
     next_pow2,
 )
 from kernels._tl_utils import jit, load_rows, mma
@@ -218,6 +219,7 @@ def paged_prefill(
     context_lens: torch.Tensor,
     scale: float,
     max_query_len: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed chunks over their paged context; out [T, q_heads, D].
 
@@ -229,7 +231,9 @@ def paged_prefill(
     (values, no device sync): cu_seqlens_q is non-decreasing from 0 up to at most T,
     context_lens[b] >= that request's q_len (it counts the chunk's own tokens, already stored)
     and its blocks are in the table. max_query_len: largest q_len in the batch (a smaller one
-    leaves rows unwritten); None reads it from cu_seqlens_q (one device sync).
+    leaves rows unwritten); None reads it from cu_seqlens_q (one device sync). out: where to
+    write (``check_out``: the query's shape and dtype; only the chunks' rows are written); None
+    allocates it.
     """
     q, (block_size, q_heads, kv_heads, head_dim) = check_attention_args(
         query, k_cache, v_cache, scale
@@ -239,7 +243,7 @@ def paged_prefill(
     check_index("cu_seqlens_q", cu_seqlens_q, "[B + 1]", batch + 1, torch.int32, device, "query")
     check_index("context_lens", context_lens, "[B]", batch, torch.int32, device, "query")
     check_optional_int("max_query_len", max_query_len, 0)
-    out = torch.empty_like(query)
+    out = torch.empty_like(query) if out is None else check_out(out, q)
     if batch == 0 or query.shape[0] == 0:
         return out
     if max_query_len is None:

@@ -7,7 +7,8 @@ its split-K ``_reduce_kernel``), ``paged_prefill_reference`` (``_prefill_kernel`
 ``silu_mul_reference`` (``kernels.layer_ops``). ``gather_kv`` is their shared helper, not an oracle.
 
 Every function here computes in fp32, returns the input dtype, and never mutates its inputs
-(``store_kv_reference`` and ``copy_blocks_reference`` return new tensors). They are also the CPU
+(``store_kv_reference`` and ``copy_blocks_reference`` return new tensors) except the ``out`` an
+attention reference is given to write into. They are also the CPU
 implementation the compute worker runs, so they loop over requests, never over tokens, and use
 torch alone (importing this module must not import triton).
 
@@ -76,24 +77,28 @@ def paged_decode_reference(
     context_lens: torch.Tensor,
     scale: float,
     num_splits: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per request over its ``context_lens[b]`` cached tokens.
 
     query: [B, q_heads, D]; block_tables: [B, max_blocks]; context_lens: [B].
-    Returns [B, q_heads, D] in query.dtype; a request with context 0 gets zeros.
-    ``num_splits`` is accepted for signature parity and ignored.
+    Returns [B, q_heads, D] in query.dtype; a request with context 0 gets zeros. ``out``: the
+    tensor to write the rows into and return (the launcher's parameter; the only argument this
+    module writes); None returns a new one. ``num_splits`` is accepted for signature parity and
+    ignored.
     """
     del num_splits
-    out = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
+    target = torch.zeros_like(query) if out is None else out
     lens = context_lens.tolist()
     for b, ctx in enumerate(lens):
         if ctx <= 0:
+            target[b] = 0
             continue
         k = gather_kv(k_cache, block_tables[b], ctx)
         v = gather_kv(v_cache, block_tables[b], ctx)
         pos = torch.tensor([ctx - 1], device=query.device)
-        out[b] = _attend(query[b : b + 1], k, v, pos, scale)[0]
-    return out.to(query.dtype)
+        target[b] = _attend(query[b : b + 1], k, v, pos, scale)[0].to(target.dtype)
+    return target
 
 
 def paged_prefill_reference(
@@ -105,16 +110,19 @@ def paged_prefill_reference(
     context_lens: torch.Tensor,
     scale: float,
     max_query_len: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Packed chunks attending causally to themselves and to their cached context.
 
     query: [T, q_heads, D] packed; request b owns rows cu_seqlens_q[b]:cu_seqlens_q[b+1].
     context_lens[b] counts all of b's keys, its new tokens included (already in the cache);
     query row i of b sits at position context_lens[b] - q_len_b + i.
-    Returns [T, q_heads, D] in query.dtype; rows past cu_seqlens_q[-1] are zeros.
+    Returns [T, q_heads, D] in query.dtype; rows past cu_seqlens_q[-1] are zeros. ``out``: the
+    tensor to write the chunks' rows into and return (its other rows are left as they are);
+    None returns a new one.
     """
     del max_query_len
-    out = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
+    target = torch.zeros_like(query) if out is None else out
     cu = cu_seqlens_q.tolist()
     lens = context_lens.tolist()
     for b, ctx in enumerate(lens):
@@ -127,8 +135,8 @@ def paged_prefill_reference(
         k = gather_kv(k_cache, block_tables[b], ctx)
         v = gather_kv(v_cache, block_tables[b], ctx)
         pos = torch.arange(ctx - q_len, ctx, device=query.device)
-        out[q0:q1] = _attend(query[q0:q1], k, v, pos, scale)
-    return out.to(query.dtype)
+        target[q0:q1] = _attend(query[q0:q1], k, v, pos, scale).to(target.dtype)
+    return target
 
 
 def store_kv_reference(

@@ -50,6 +50,7 @@ class GreedyDriver:
     block_size: int = 16
     token_budget: int | None = None  # max tokens per step; None packs everything pending
     cuda_graph_max_batch: int = 0  # > 0: decode steps replay CUDA graphs (CUDA only)
+    cuda_graph_max_tokens: int = 0  # > 0: other steps replay piecewise graphs (CUDA only)
     seqs: dict[str, Seq] = field(default_factory=dict)
     steps: list[list[tuple[str, int, int]]] = field(default_factory=list)  # (req, start, n)
 
@@ -67,7 +68,9 @@ class GreedyDriver:
         gen = torch.Generator().manual_seed(1234)
         pool = (torch.randn(shape, generator=gen) * 10).to(self.model.device, self.model.dtype)
         self.manager = KVCacheManager(self.num_blocks, 0, self.block_size)
-        self.runner = ModelRunner(self.model, pool, self.block_size, self.cuda_graph_max_batch)
+        self.runner = ModelRunner(
+            self.model, pool, self.block_size, self.cuda_graph_max_batch, self.cuda_graph_max_tokens
+        )
         self.pending_copies: list[tuple[int, int]] = []
 
     def admit(self, req_id: str, prompt: list[int], max_new: int) -> Seq:

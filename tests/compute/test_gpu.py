@@ -117,6 +117,36 @@ def test_cuda_graph_decodes_match_sdpa(family: str, cuda: torch.device) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_cuda_piecewise_graphs_of_mixed_steps_match_sdpa(family: str, cuda: torch.device) -> None:
+    """Steps of prompt chunks beside decodes replay piecewise graphs (up to 128 tokens: buckets
+    64 and 128, padded) with eager attention between the pieces; steps of more tokens run
+    eagerly, decode-only steps their own graphs. All as accurate as SDPA."""
+    config = tiny_family_config(family)
+    config.head_dim = 64
+    config.max_position_embeddings = 1024
+    model = moved(paged_model(config, seed=7), cuda, torch.bfloat16)
+    fuse_layers(model)
+    gen = torch.Generator().manual_seed(13)
+    driver = GreedyDriver(
+        model, num_blocks=512, token_budget=160, cuda_graph_max_batch=16, cuda_graph_max_tokens=128
+    )
+    pieces = driver.runner.pieces
+    assert pieces is not None and pieces.buckets == [64, 128]
+    for i in range(12):
+        n = 300 if i == 5 else int(torch.randint(1, 70, (1,), generator=gen))
+        prompt = torch.randint(0, 256, (n,), generator=gen).tolist()
+        driver.admit(f"r{i}", prompt, 4 + i)
+        driver.step()  # every admission after the first joins running decodes
+    driver.run()
+    sizes = [sum(n for _, _, n in step) for step in driver.steps]
+    mixed = [t for t, step in zip(sizes, driver.steps, strict=True) if any(n > 1 for *_, n in step)]
+    assert any(t > 128 for t in mixed) and sum(t <= 128 for t in mixed) >= 8
+    assert pieces.replays == sum(t <= 128 for t in mixed)
+    check_as_accurate_as_sdpa(driver)
+
+
+@pytest.mark.gpu
 def test_cuda_fp16_prefix_hit_and_block_size_32(cuda: torch.device) -> None:
     model = moved(paged_model(tiny_family_config("qwen3"), seed=1), cuda, torch.float16)
     gen = torch.Generator().manual_seed(4)

@@ -59,6 +59,26 @@ def test_200_streams_aborted_midway_leave_no_block_held(stack: Stack) -> None:
     assert max(len(f.sequences[0].token_ids) for f in finals) < 3000
 
 
+def test_streams_closed_by_their_clients_leave_no_error_in_the_log(stack: Stack) -> None:
+    """A handler whose client left is cancelled, or its next write fails: either way the
+    gateway aborts the request with no traceback and no 500 in its log (a failed write logs
+    one line)."""
+    with stack.gateway() as gateway:
+
+        async def scenario() -> list[str]:
+            async with session() as s:
+                return await asyncio.gather(
+                    *(open_and_abandon(s, gateway.url, i) for i in range(8))
+                )
+
+        run(scenario())
+        stack.wait_blocks_released(timeout_s=90)
+        time.sleep(0.5)  # the handlers' last log lines
+        log = gateway.output()
+        assert "Traceback" not in log and "Error handling" not in log, log[-3000:]
+        assert '/v1/completions HTTP/1.1" 500' not in log
+
+
 def test_non_streaming_client_that_leaves_aborts_too(stack: Stack) -> None:
     """The worker is paused (SIGSTOP) while the client sends and leaves, so the request cannot
     finish first (the tiny model serves its 3000 tokens in about a second): the gateway must

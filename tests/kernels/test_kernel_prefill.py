@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import paged_prefill
-from kernels.reference import paged_prefill_reference
+from kernels import paged_decode, paged_prefill
+from kernels.reference import paged_decode_reference, paged_prefill_reference
 from tests.kernels.kernel_cases import (
     EDGE_HEAD_DIMS,
     GRID_HEAD_DIMS,
@@ -95,6 +95,38 @@ def test_prefill_rejects_bad_inputs(device: torch.device) -> None:
         paged_prefill(
             q[:, :, :32], case.k_cache, case.v_cache, case.block_tables, cu, case.context_lens, 1.0
         )
+
+
+@pytest.mark.parametrize("kernels", ["triton", "reference"])
+def test_decodes_and_prefills_of_one_step_write_into_one_out(
+    device: torch.device, kernels: str
+) -> None:
+    """A mixed step as ``compute.attention.attend`` runs it: the two leading decodes through
+    the decode launcher into out[:2], the chunks after them through the prefill launcher (its
+    cu_seqlens_q starting at row 2) into the same ``out``. Every row matches one prefill over
+    the whole step; rows past the step keep what ``out`` held."""
+    decode, prefill = paged_decode, paged_prefill
+    if kernels == "reference":
+        decode, prefill = paged_decode_reference, paged_prefill_reference
+    reqs = [(1, 40), (1, 7), (33, 33), (29, 90)]
+    case = make_case([c for _, c in reqs], 2, 64, 16, BF16, device)
+    cu = torch.tensor([0, 1, 2, 35, 64], dtype=torch.int32, device=device)
+    q = randn((66, 4, 64), BF16, device, 3)
+    out = torch.full_like(q, float("nan"))
+    tables, lens = case.block_tables, case.context_lens
+    got = decode(q[:2], case.k_cache, case.v_cache, tables[:2], lens[:2], 0.125, out=out[:2])
+    assert got.data_ptr() == out.data_ptr()
+    got = prefill(q, case.k_cache, case.v_cache, tables[2:], cu[2:], lens[2:], 0.125, 33, out=out)
+    assert got is out
+    k32, v32 = fp32_caches(case)
+    ref = paged_prefill_reference(q.float(), k32, v32, tables, cu, lens, 0.125)
+    assert rel_err(out[:64], ref[:64]) < TOL[BF16]
+    assert out[64:].isnan().all(), "a row past the step was written"
+    if kernels == "triton":
+        with pytest.raises(TypeError, match=r"^out must be"):
+            decode(q[:2], case.k_cache, case.v_cache, tables[:2], lens[:2], 0.1, out=out[:2].half())
+        with pytest.raises(ValueError, match=r"^out must be \[rows, q_heads, head_dim\]"):
+            prefill(q, case.k_cache, case.v_cache, tables[2:], cu[2:], lens[2:], 0.1, out=out[1:])
 
 
 # ---------------------------------------------------------------- GPU grid
