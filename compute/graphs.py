@@ -20,6 +20,7 @@ import torch
 from transformers import PreTrainedModel
 
 from compute.attention import PagedBatch
+from compute.transfer import host_tensor
 
 log = logging.getLogger("pagedserve.compute")
 
@@ -131,7 +132,7 @@ class DecodeGraphs:
         host, copied = self._staging[self._parity], self._copied[self._parity]
         if copied is not None:
             copied.synchronize()  # the copy out of this buffer, two steps ago, has run
-        host[:n] = torch.tensor(values, dtype=torch.int64)
+        host[:n] = host_tensor(values)
         staged = self._device_staging[:n]
         staged.copy_(host[:n], non_blocking=True)
         event = torch.cuda.Event()

@@ -2,9 +2,36 @@
 
 from __future__ import annotations
 
+import array
+import itertools
+from collections.abc import Iterable
+from typing import Any
+
 import torch
 
-__all__ = ["to_device"]
+__all__ = ["host_tensor", "to_device"]
+
+# array.array type codes of the dtypes host_tensor builds through an array
+_ARRAY_CODES = {torch.int64: "q", torch.int32: "i", torch.float32: "f", torch.float64: "d"}
+
+
+def host_tensor(
+    values: list[int] | list[float] | list[bool] | list[list[int]],
+    dtype: torch.dtype = torch.int64,
+) -> torch.Tensor:
+    """A CPU tensor of ``values`` (a flat list, or a list of equal-length rows: [rows, n]).
+    Python numbers go through an ``array.array`` when ``dtype`` has a type code: for a list of
+    10,000 ints about seven times faster than ``torch.tensor`` (which a step's block tables
+    were paying, ~1.5 ms per step of 256 requests)."""
+    code = _ARRAY_CODES.get(dtype)
+    if code is None or not values:
+        return torch.tensor(values, dtype=dtype)
+    first = values[0]
+    nested = isinstance(first, list)
+    flat: Iterable[Any] = itertools.chain.from_iterable(values) if nested else values  # type: ignore[arg-type]
+    buffer = array.array(code, flat)
+    host = torch.frombuffer(buffer, dtype=dtype) if buffer else torch.empty(0, dtype=dtype)
+    return host.view(len(values), -1 if buffer else 0) if nested else host
 
 
 def to_device(
@@ -17,7 +44,7 @@ def to_device(
     ``.to(device, non_blocking=True)`` of a plain CPU tensor, indexing a device tensor with a
     list) waits for every kernel queued before it, which undoes the overlap of host and device
     work (measured on the H200: 5.9 ms of host time per decode step spent in such waits)."""
-    host = torch.tensor(values, dtype=dtype)
+    host = host_tensor(values, dtype)
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)

@@ -8,6 +8,7 @@ import torch
 from compute.attention import PagedBatch, copy_blocks_inplace, store_kv_inplace
 from compute.models import load_model, tiny_family_config
 from compute.runner import ModelRunner, ScheduledChunk
+from compute.transfer import host_tensor
 from kernels.reference import copy_blocks_reference, store_kv_reference
 from tests.compute.driver import paged_model, reference_model
 
@@ -117,3 +118,20 @@ def test_paged_batch_is_frozen() -> None:
     assert (paged.max_query_len, paged.max_context_len) == (3, 19)
     with pytest.raises(AttributeError):
         paged.max_query_len = 5  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("values", "dtype"),
+    [
+        ([3, -1, 2**40], torch.int64),
+        ([[1, 2, 3], [4, 5, 6]], torch.int32),
+        ([[], []], torch.int32),
+        ([], torch.int64),
+        ([0.5, 2.0], torch.float32),
+        ([True, False], torch.bool),
+    ],
+)
+def test_host_tensor_equals_torch_tensor(values: list, dtype: torch.dtype) -> None:
+    got = host_tensor(values, dtype)
+    want = torch.tensor(values, dtype=dtype)
+    assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
