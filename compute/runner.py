@@ -109,6 +109,10 @@ class ModelRunner:
         self.pool = pool
         self.block_size = block_size
         self.device = pool.device
+        if pool.is_cuda:  # no Triton compile mid-traffic
+            from kernels import compile_variants
+
+            compile_variants(pool[:, 0, 0], pool[:, 0, 1], int(config.num_attention_heads))
         self.graphs: DecodeGraphs | None = None
         if cuda_graph_max_batch > 0 and pool.is_cuda:
             max_blocks = -(-config.max_position_embeddings // block_size)

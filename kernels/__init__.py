@@ -14,6 +14,7 @@ _LAUNCHERS = {
     "copy_blocks": "kernels.cache_ops",
     "paged_decode": "kernels.decode",
     "choose_num_splits": "kernels.decode",
+    "compile_variants": "kernels.decode",
     "paged_prefill": "kernels.prefill",
     "rms_norm": "kernels.layer_ops",
     "rotary": "kernels.layer_ops",
@@ -22,6 +23,7 @@ _LAUNCHERS = {
 
 __all__ = [
     "choose_num_splits",
+    "compile_variants",
     "copy_blocks",
     "paged_decode",
     "paged_prefill",

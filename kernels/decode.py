@@ -169,6 +169,9 @@ def _reduce_kernel(
     tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
+MAX_SPLITS = 128
+
+
 def decode_config(head_dim: int, group: int) -> dict[str, int]:
     """Tile and launch parameters of the split kernel (chosen on the H200, see bench)."""
     d_pad = next_pow2(head_dim)
@@ -182,13 +185,13 @@ def choose_num_splits(
 ) -> int:
     """Measured heuristic (bench/kernels.py split sweep, H200): no split once the grid has
     2.5 programs per SM; otherwise the power of two that brings it to ~4 per SM, never giving a
-    split fewer than 2 tiles (2*BLOCK_N tokens), at most 128 splits."""
+    split fewer than 2 tiles (2*BLOCK_N tokens), at most ``MAX_SPLITS``."""
     programs = batch * kv_heads
     if 2 * programs >= 5 * num_sms:
         return 1
     want = 1 << (cdiv(4 * num_sms, programs).bit_length() - 1)  # round down to 2^k
     cap = max(1, max_context // (2 * block_n))
-    return max(1, min(want, cap, 128))
+    return max(1, min(want, cap, MAX_SPLITS))
 
 
 def split_plan(max_context: int, num_splits: int, block_n: int) -> tuple[int, int]:
@@ -201,6 +204,25 @@ def split_plan(max_context: int, num_splits: int, block_n: int) -> tuple[int, in
         return 1, max_context
     tokens = cdiv(cdiv(max_context, num_splits), block_n) * block_n
     return cdiv(max_context, tokens), tokens
+
+
+def compile_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, q_heads: int) -> int:
+    """Launches ``paged_decode`` once per variant a batch over these caches can need (the
+    single-pass kernel, and the split kernel with its reduction for every power-of-two split
+    count up to ``MAX_SPLITS``: a constexpr of the reduction), on one request of one token.
+    Triton compiles a variant at its first launch, which stalls the caller for ~0.3 s: a
+    worker does this before traffic (a mixed step's split count depends on its batch). Reads
+    block 0 of the caches, writes nothing to them. Returns the number of launches."""
+    block_size, head_dim = k_cache.shape[1], k_cache.shape[3]
+    block_n = decode_config(head_dim, q_heads // k_cache.shape[2])["BLOCK_N"]
+    device = k_cache.device
+    query = torch.zeros(1, q_heads, head_dim, dtype=k_cache.dtype, device=device)
+    context = torch.ones(1, dtype=torch.int32, device=device)
+    splits = [1 << k for k in range(MAX_SPLITS.bit_length())]  # 1, 2, 4, ..., MAX_SPLITS
+    for n in splits:
+        table = torch.zeros(1, cdiv(n * block_n, block_size), dtype=torch.int32, device=device)
+        paged_decode(query, k_cache, v_cache, table, context, 1.0, num_splits=n)
+    return len(splits)
 
 
 _NUM_SMS: dict[int, int] = {}

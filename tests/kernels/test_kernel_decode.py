@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernels import paged_decode
-from kernels.decode import choose_num_splits, split_plan
+from kernels.decode import choose_num_splits, compile_variants, split_plan
 from kernels.reference import paged_decode_reference
 from tests.kernels.kernel_cases import (
     EDGE_HEAD_DIMS,
@@ -164,3 +164,13 @@ def test_decode_pool_32768_blocks(cuda: torch.device) -> None:
     assert case.block_tables.max().item() * case.k_cache.stride(0) > 2**31
     for splits in (1, 4):
         check_decode(case, 32, splits)
+
+
+def test_compile_variants_launches_every_split_count_and_writes_no_cache(
+    device: torch.device,
+) -> None:
+    case = make_case([5], 2, 64, 16, torch.float16, device)
+    before = case.pool.clone()
+    assert compile_variants(case.k_cache, case.v_cache, 4) == 8  # 1, 2, 4, ..., 128 splits
+    assert torch.equal(case.pool.isnan(), before.isnan())
+    assert torch.equal(case.pool.nan_to_num(), before.nan_to_num())
