@@ -181,17 +181,18 @@ def attend(
     if d > 0:
         tables, lens = paged.block_tables[:d], paged.context_lens[:d]
         decode(q[:d], k_cache, v_cache, tables, lens, scaling, out=out[:d])
-    if d < batch:  # the prefill kernel reads each chunk's rows from cu_seqlens_q[d:]
+    if d < batch:
         prefill(
             q,
             k_cache,
             v_cache,
-            paged.block_tables[d:],
-            paged.cu_seqlens_q[d:],
-            paged.context_lens[d:],
+            paged.block_tables,
+            paged.cu_seqlens_q,
+            paged.context_lens,
             scaling,
             paged.max_query_len,
             out=out,
+            first=d,
         )
     return out
 

@@ -77,7 +77,7 @@ def _tile_step(
     return acc, m_new, l_i
 
 
-@jit(varying=("num_m_tiles", "stride_btb"))
+@jit(varying=("first", "num_m_tiles", "stride_btb"))
 def _prefill_kernel(
     q_ptr: tl.tensor,
     k_ptr: tl.tensor,
@@ -88,6 +88,7 @@ def _prefill_kernel(
     out_ptr: tl.tensor,
     qk_scale: tl.tensor,
     kv_heads: tl.tensor,
+    first: tl.tensor,
     num_m_tiles: tl.tensor,
     stride_qt: tl.tensor,
     stride_qh: tl.tensor,
@@ -105,8 +106,9 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr,
 ) -> None:
-    """Grid (B * kv_heads, num_m_tiles); tiles with the most keys are scheduled first."""
-    b = tl.program_id(0) // kv_heads
+    """Grid ((B - first) * kv_heads, num_m_tiles); tiles with the most keys are scheduled
+    first."""
+    b = first + tl.program_id(0) // kv_heads
     hkv = tl.program_id(0) % kv_heads
     tile = num_m_tiles - 1 - tl.program_id(1)
     tokens_per_tile: tl.constexpr = BLOCK_M // GROUP
@@ -220,6 +222,7 @@ def paged_prefill(
     scale: float,
     max_query_len: int | None = None,
     out: torch.Tensor | None = None,
+    first: int = 0,
 ) -> torch.Tensor:
     """Causal attention of packed chunks over their paged context; out [T, q_heads, D].
 
@@ -233,7 +236,10 @@ def paged_prefill(
     and its blocks are in the table. max_query_len: largest q_len in the batch (a smaller one
     leaves rows unwritten); None reads it from cu_seqlens_q (one device sync). out: where to
     write (``check_out``: the query's shape and dtype; only the chunks' rows are written); None
-    allocates it.
+    allocates it. first: attend chunks first..B-1 only (the others' rows are left unwritten: a
+    step's leading decodes go to ``paged_decode``). An offset rather than sliced index tensors:
+    Triton specialises a kernel on its pointers' 16-byte alignment, and slices at every offset
+    would compile up to eight variants in the middle of traffic.
     """
     q, (block_size, q_heads, kv_heads, head_dim) = check_attention_args(
         query, k_cache, v_cache, scale
@@ -243,8 +249,11 @@ def paged_prefill(
     check_index("cu_seqlens_q", cu_seqlens_q, "[B + 1]", batch + 1, torch.int32, device, "query")
     check_index("context_lens", context_lens, "[B]", batch, torch.int32, device, "query")
     check_optional_int("max_query_len", max_query_len, 0)
+    check_optional_int("first", first, 0)
+    if first > batch:
+        raise ValueError(f"first must be at most the batch's {batch} chunks, got {first}")
     out = torch.empty_like(query) if out is None else check_out(out, q)
-    if batch == 0 or query.shape[0] == 0:
+    if batch == first or query.shape[0] == 0:
         return out
     if max_query_len is None:
         max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item())
@@ -254,7 +263,7 @@ def paged_prefill(
     cfg = prefill_config(head_dim, group)
     tokens_per_tile = cfg["BLOCK_M"] // group
     num_m_tiles = cdiv(max_query_len, tokens_per_tile)
-    _prefill_kernel[(batch * kv_heads, num_m_tiles)](
+    _prefill_kernel[((batch - first) * kv_heads, num_m_tiles)](
         query,
         k_cache,
         v_cache,
@@ -264,6 +273,7 @@ def paged_prefill(
         out,
         scale * LOG2E,
         kv_heads,
+        first,
         num_m_tiles,
         query.stride(0),
         query.stride(1),

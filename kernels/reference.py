@@ -111,6 +111,7 @@ def paged_prefill_reference(
     scale: float,
     max_query_len: int | None = None,
     out: torch.Tensor | None = None,
+    first: int = 0,
 ) -> torch.Tensor:
     """Packed chunks attending causally to themselves and to their cached context.
 
@@ -119,13 +120,15 @@ def paged_prefill_reference(
     query row i of b sits at position context_lens[b] - q_len_b + i.
     Returns [T, q_heads, D] in query.dtype; rows past cu_seqlens_q[-1] are zeros. ``out``: the
     tensor to write the chunks' rows into and return (its other rows are left as they are);
-    None returns a new one.
+    None returns a new one. ``first``: chunks before it are skipped (their rows left as they are).
     """
     del max_query_len
     target = torch.zeros_like(query) if out is None else out
     cu = cu_seqlens_q.tolist()
     lens = context_lens.tolist()
     for b, ctx in enumerate(lens):
+        if b < first:
+            continue
         q0, q1 = cu[b], cu[b + 1]
         q_len = q1 - q0
         if q_len <= 0:

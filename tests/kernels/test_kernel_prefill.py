@@ -102,9 +102,9 @@ def test_decodes_and_prefills_of_one_step_write_into_one_out(
     device: torch.device, kernels: str
 ) -> None:
     """A mixed step as ``compute.attention.attend`` runs it: the two leading decodes through
-    the decode launcher into out[:2], the chunks after them through the prefill launcher (its
-    cu_seqlens_q starting at row 2) into the same ``out``. Every row matches one prefill over
-    the whole step; rows past the step keep what ``out`` held."""
+    the decode launcher into out[:2], the chunks after them through the prefill launcher
+    (``first=2``) into the same ``out``. Every row matches one prefill over the whole step;
+    rows past the step keep what ``out`` held."""
     decode, prefill = paged_decode, paged_prefill
     if kernels == "reference":
         decode, prefill = paged_decode_reference, paged_prefill_reference
@@ -116,7 +116,8 @@ def test_decodes_and_prefills_of_one_step_write_into_one_out(
     tables, lens = case.block_tables, case.context_lens
     got = decode(q[:2], case.k_cache, case.v_cache, tables[:2], lens[:2], 0.125, out=out[:2])
     assert got.data_ptr() == out.data_ptr()
-    got = prefill(q, case.k_cache, case.v_cache, tables[2:], cu[2:], lens[2:], 0.125, 33, out=out)
+    assert out[2:].isnan().all()
+    got = prefill(q, case.k_cache, case.v_cache, tables, cu, lens, 0.125, 33, out=out, first=2)
     assert got is out
     k32, v32 = fp32_caches(case)
     ref = paged_prefill_reference(q.float(), k32, v32, tables, cu, lens, 0.125)
@@ -126,7 +127,9 @@ def test_decodes_and_prefills_of_one_step_write_into_one_out(
         with pytest.raises(TypeError, match=r"^out must be"):
             decode(q[:2], case.k_cache, case.v_cache, tables[:2], lens[:2], 0.1, out=out[:2].half())
         with pytest.raises(ValueError, match=r"^out must be \[rows, q_heads, head_dim\]"):
-            prefill(q, case.k_cache, case.v_cache, tables[2:], cu[2:], lens[2:], 0.1, out=out[1:])
+            prefill(q, case.k_cache, case.v_cache, tables, cu, lens, 0.1, out=out[1:], first=2)
+        with pytest.raises(ValueError, match=r"^first must be at most"):
+            prefill(q, case.k_cache, case.v_cache, tables, cu, lens, 0.1, out=out, first=5)
 
 
 # ---------------------------------------------------------------- GPU grid

@@ -80,6 +80,7 @@ def test_reference_import_does_not_import_triton() -> None:
 
 def test_one_reference_per_launcher() -> None:
     """Each Triton launcher (its kernels) has exactly one oracle, in kernels/reference.py."""
-    launchers = {name for name in kernels.__all__ if name != "choose_num_splits"}
+    helpers = {"choose_num_splits", "compile_variants"}  # a heuristic; launches paged_decode
+    launchers = {name for name in kernels.__all__ if name not in helpers}
     oracles = {name for name in kernels.reference.__all__ if name != "gather_kv"}
     assert oracles == {f"{name}_reference" for name in launchers}
