@@ -35,13 +35,15 @@ from dataclasses import dataclass, field
 import torch
 
 from compute.kvsync import KVSync
+from compute.penalties import ProcessedRow, needs_processing, process_logits
 from compute.registry import Requests
 from compute.requests import Active, output_record
 from compute.runner import Feed, ModelRunner, ScheduledChunk
 from compute.sampling import RowState, sample
 from compute.scheduler import Chunk
+from compute.stops import StopChecker
 from compute.transfer import to_device
-from contracts.records import OutputRecord
+from contracts.records import OutputRecord, SamplingParams
 
 __all__ = ["Launched", "ModelStep", "Processed"]
 
@@ -143,6 +145,7 @@ class ModelStep:
         clock = self._phase("forward", clock)
         rows: list[Row] = []
         states: list[RowState] = []
+        processed: list[ProcessedRow] = []
         row_of: dict[str, int] = {}
         beams: list[int] = []
         for i, chunk in enumerate(chunks):
@@ -160,6 +163,8 @@ class ModelStep:
             fan_out = params.n if generated == 0 and branch.index == 0 else 1
             row_of[seq.seq_id] = len(rows)
             for k in range(branch.index, branch.index + fan_out):
+                if needs_processing(params):
+                    processed.append(self._processed_row(len(rows), chunk, params, branch.stop))
                 rows.append(Row(i, active, k, forks=k != branch.index))
                 states.append(RowState(params, k, generated))
             self.scheduler.launched(chunk, sampling=True, feedable=fan_out == 1)
@@ -169,6 +174,9 @@ class ModelStep:
             drawn = logits  # one row per chunk, in order: no gather
             if index != list(range(len(chunks))):
                 drawn = logits[to_device(index, logits.device)]  # [R, vocab]
+            if processed:
+                source = self.inflight.sampled if self.inflight is not None else None
+                drawn = process_logits(drawn.float(), processed, source)
             sampled = sample(drawn, states).token_ids  # [R]
             host = sampled
             if cuda:
@@ -178,6 +186,19 @@ class ModelStep:
             events[1].record()
         self._phase("draw", clock)
         return Launched(chunks, rows, row_of, sampled, host, logits, beams, events)
+
+    def _processed_row(
+        self, row: int, chunk: Chunk, params: SamplingParams, stop: StopChecker
+    ) -> ProcessedRow:
+        """What ``compute.penalties`` reads of a row drawing ``chunk``'s sequence's next token:
+        its tokens (the newest one still on the device if the chunk is fed) and, while under
+        ``min_tokens``, its stop ids to mask."""
+        seq = chunk.seq
+        fed = self.inflight.row_of[seq.seq_id] if chunk.fed and self.inflight else -1
+        generated = len(seq.token_ids) - seq.num_prompt + (fed >= 0)
+        banned = sorted(stop.stop_token_ids) if generated < params.min_tokens else []
+        prompt, output = seq.token_ids[: seq.num_prompt], seq.token_ids[seq.num_prompt :]
+        return ProcessedRow(row, params, prompt, output, fed, banned)
 
     def _scheduled(self, chunk: Chunk) -> ScheduledChunk:
         seq = chunk.seq

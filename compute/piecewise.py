@@ -122,7 +122,8 @@ class PiecewiseGraphs:
     def _placeholder(self, size: int) -> PagedBatch:
         """Attention metadata of one chunk of ``size`` tokens over block 0: never read while
         capturing (the cut replaces attention), harmless in the warm-up (the static slots are
-        -1 then: nothing is stored)."""
+        -1 then: nothing is stored). Its ``max_context_len`` is 0: a model's sliding window is
+        checked against each real step when it is replayed."""
         device = self.pool.device
         block_size = self.pool.shape[3]
         return PagedBatch(
@@ -131,7 +132,7 @@ class PiecewiseGraphs:
             cu_seqlens_q=torch.tensor([0, size], dtype=torch.int32, device=device),
             context_lens=torch.tensor([size], dtype=torch.int32, device=device),
             max_query_len=size,
-            max_context_len=size,
+            max_context_len=0,
             pool=self.pool,
         )
 

@@ -83,6 +83,11 @@ class StopChecker:
         self.stop_reason: int | str | None = None
 
     @property
+    def stop_token_ids(self) -> frozenset[int]:
+        """The token ids that finish the sequence (``min_tokens`` masks them until then)."""
+        return frozenset(self._stop_ids)
+
+    @property
     def text(self) -> str:
         """The output text emitted so far (the final output once finished)."""
         return "".join(self._chunks)

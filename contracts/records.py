@@ -9,8 +9,9 @@ from typing import Literal
 
 import msgspec
 
-RECORD_VERSION = 2  # 2: RequestRecord without arrival_time and priority, OutputRecord without
-# logprobs, with offset; RequestRecord.gateway
+RECORD_VERSION = 3  # 2: RequestRecord without arrival_time and priority, OutputRecord without
+# logprobs, with offset; RequestRecord.gateway. 3: SamplingParams' penalties, logit_bias and
+# min_tokens
 
 
 class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -20,6 +21,9 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     ``seed`` makes sampling reproducible per request (None: nondeterministic). ``n`` sequences
     share the prompt's blocks (kvstore fork). ``beam_width > 1`` selects beam search (greedy
     scoring, ``length_penalty`` as in Hugging Face: score = logprob_sum / length**penalty).
+    ``presence_penalty``, ``frequency_penalty`` (OpenAI's), ``repetition_penalty`` (Hugging
+    Face's, over prompt and output), ``logit_bias`` (token id -> bias) and ``min_tokens`` are
+    applied by ``compute.penalties`` (sampled rows only: beam search takes none of them).
     """
 
     max_tokens: int = 16
@@ -33,6 +37,11 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     ignore_eos: bool = False
     beam_width: int = 1
     length_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = {}
+    min_tokens: int = 0
 
     def validate(self) -> None:
         """Raises ValueError naming the first field out of range."""
@@ -45,10 +54,25 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
             (self.beam_width >= 1, "beam_width must be at least 1"),
             (self.beam_width == 1 or self.n <= self.beam_width, "n must be <= beam_width"),
             (self.beam_width == 1 or not self.stop, "stop strings do not apply to beam search"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
+            (0 < self.repetition_penalty <= 100, "repetition_penalty must be in (0, 100]"),
+            (all(-100 <= b <= 100 for b in self.logit_bias.values()), "logit_bias in [-100, 100]"),
+            (0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),
+            (self.beam_width == 1 or not self._processed(), "beam search takes no penalties"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+    def _processed(self) -> bool:
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.min_tokens
+        )
 
 
 FinishReason = Literal["stop", "length", "abort", "error"]

@@ -34,6 +34,7 @@ from gateway.schemas import ChatRequest, CompletionRequest
 
 MAX_PROMPTS = 256  # prompts in one completions request
 MAX_STOP = 16  # stop strings per request
+MAX_LOGIT_BIAS = 1024  # logit_bias entries per request (OpenAI allows 300)
 ROLES = ("system", "developer", "user", "assistant", "tool")
 _INT32 = 2**31
 
@@ -225,11 +226,6 @@ def _prepared(
     max_n: int,
     echo_texts: list[str] | None,
 ) -> Prepared:
-    for name in ("frequency_penalty", "presence_penalty"):
-        if getattr(req, name):
-            raise bad_request(f"{name} is not supported", name, "unsupported_parameter")
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported", "logit_bias", "unsupported_parameter")
     n = _in_range(req.n, 1, "n", 1, max_n)
     temperature = _finite(req.temperature, 1.0, "temperature", low=0.0)
     top_p = _finite(req.top_p, 1.0, "top_p", low=0.0)
@@ -260,6 +256,10 @@ def _prepared(
     stop_ids = _check_ids(list(req.stop_token_ids or []), model, "stop_token_ids")
     if req.priority:  # accepted but ignored would be a lie: not until it is implemented
         raise bad_request("priority is not supported", "priority", "unsupported_parameter")
+    penalties = _penalties(req, model, max_tokens)
+    changed = [name for name, value in penalties.items() if value != _NO_PENALTIES[name]]
+    if beam and changed:
+        raise bad_request(f"{changed[0]} does not apply to beam search", changed[0], "unsupported")
     params = SamplingParams(
         max_tokens=max_tokens,
         temperature=temperature,
@@ -272,6 +272,7 @@ def _prepared(
         ignore_eos=bool(req.ignore_eos),
         beam_width=beam_width,
         length_penalty=_finite(req.length_penalty, 1.0, "length_penalty"),
+        **penalties,
     )
     try:
         params.validate()
@@ -287,6 +288,49 @@ def _prepared(
         salt=salt,
         echo_texts=echo_texts,
     )
+
+
+_NO_PENALTIES: dict[str, Any] = {
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "logit_bias": {},
+    "min_tokens": 0,
+}
+
+
+def _penalties(
+    req: CompletionRequest | ChatRequest, model: ModelInfo, max_tokens: int
+) -> dict[str, Any]:
+    """The penalty, bias and min_tokens fields of ``SamplingParams``, checked (OpenAI's ranges;
+    vLLM's for its extensions)."""
+    values = dict(_NO_PENALTIES)
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = _finite(getattr(req, name), 0.0, name)
+        if not -2 <= value <= 2:
+            raise bad_request(f"{name} must be in [-2, 2], got {value}", name)
+        values[name] = value
+    repetition = _finite(req.repetition_penalty, 1.0, "repetition_penalty")
+    if not 0 < repetition <= 100:
+        raise bad_request(
+            f"repetition_penalty must be in (0, 100], got {repetition}", "repetition_penalty"
+        )
+    values["repetition_penalty"] = repetition
+    bias: dict[int, float] = {}
+    for key, value in (req.logit_bias or {}).items():
+        if not key.strip().isdigit():
+            raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+        token = _check_ids([int(key)], model, "logit_bias")[0]
+        if not (math.isfinite(value) and -100 <= value <= 100):
+            raise bad_request(
+                f"logit_bias values must be in [-100, 100], got {value}", "logit_bias"
+            )
+        bias[token] = float(value)
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise bad_request(f"at most {MAX_LOGIT_BIAS} logit_bias entries", "logit_bias")
+    values["logit_bias"] = bias
+    values["min_tokens"] = _in_range(req.min_tokens, 0, "min_tokens", 0, max_tokens)
+    return values
 
 
 def _in_range(value: int | None, default: int, param: str, low: int, high: int) -> int:

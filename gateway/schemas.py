@@ -45,6 +45,8 @@ class _Sampling(msgspec.Struct, kw_only=True):
     use_beam_search: bool | None = None
     beam_width: int | None = None  # default: best_of, else n
     length_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
     cache_salt: str | None = None  # only requests with the same salt share prefix-cache blocks
     priority: int | None = None  # only 0 (vLLM's default): scheduling by priority is not built
 

@@ -78,11 +78,16 @@ def sampling(wild: bool) -> dict[str, st.SearchStrategy[Any]]:
         "cache_salt": pick(texts),
         "priority": pick(st.integers(-(2**33), 2**33)),
         "user": pick(texts),
+        "frequency_penalty": pick(st.floats(-2, 2) | st.floats(-3, 3)),
+        "presence_penalty": pick(st.floats(-2, 2)),
+        "repetition_penalty": pick(st.floats(0.5, 2.0) | st.floats(-1, 101)),
+        "min_tokens": pick(st.integers(0, 4) | st.integers(-1, 100)),
+        "logit_bias": pick(
+            st.dictionaries(st.integers(0, 258).map(str), st.floats(-100, 100), max_size=3)
+        ),
         **(
             {
                 "logit_bias": maybe(st.dictionaries(texts, st.floats(-100, 100), max_size=2)),
-                "frequency_penalty": maybe(st.floats(-2, 2)),
-                "presence_penalty": maybe(st.floats(-2, 2)),
                 "extra_unknown_field": json_values,
             }
             if wild

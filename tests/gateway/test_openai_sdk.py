@@ -235,3 +235,30 @@ def test_prompt_batch_and_echo(client: openai.OpenAI) -> None:
     assert by_index[2].startswith("Second") and by_index[3].startswith("Second")
     assert done.usage is not None
     assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (6 + 7, 4 * 3)
+
+
+def test_logit_bias_and_penalties_reach_the_sampler(client: openai.OpenAI) -> None:
+    """A +100 bias makes greedy decoding repeat its token; with the penalties (OpenAI's fields,
+    and vLLM's ``repetition_penalty`` and ``min_tokens`` through ``extra_body``) a
+    frequency penalty large enough beats it after the first time."""
+    biased = client.completions.create(
+        model="tiny", prompt="hi", max_tokens=6, temperature=0, logit_bias={"70": 100}
+    )
+    text = biased.choices[0].text
+    assert len(text) == 6 and len(set(text)) == 1, text
+    other = client.completions.create(
+        model="tiny", prompt="hi", max_tokens=6, temperature=0, logit_bias={"71": 100}
+    )
+    assert other.choices[0].text != text
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=6,
+        temperature=0,
+        logit_bias={"70": 10},
+        frequency_penalty=2.0,
+        presence_penalty=2.0,
+        extra_body={"repetition_penalty": 100.0, "min_tokens": 6},
+    )
+    reply = chat.choices[0].message.content or ""
+    assert chat.choices[0].finish_reason == "length" and reply.count(text[0]) <= 1, reply
