@@ -15,6 +15,7 @@ import redis.asyncio
 
 from contracts import queue_gateway, queue_keys, queue_worker
 from contracts.records import (
+    RECORD_VERSION,
     OutputRecord,
     RecordError,
     RequestRecord,
@@ -47,13 +48,13 @@ def test_records_round_trip() -> None:
     ],
 )
 def test_decode_request_rejects_clearly(data: bytes) -> None:
-    with pytest.raises(RecordError, match="not a RequestRecord v2"):
+    with pytest.raises(RecordError, match=f"not a RequestRecord v{RECORD_VERSION}"):
         decode_request(data)
 
 
 def test_decode_output_rejects_bad_finish_reason() -> None:
     data = msgspec.msgpack.encode(["out", "a", 0, [], "done"])
-    with pytest.raises(RecordError, match="not an OutputRecord v2"):
+    with pytest.raises(RecordError, match=f"not an OutputRecord v{RECORD_VERSION}"):
         decode_output(data)
 
 
