@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from compute.kvsync import KVSync
-from compute.penalties import ProcessedRow, needs_processing, process_logits
+from compute.penalties import ProcessedRow, process_logits
 from compute.registry import Requests
 from compute.requests import Active, output_record
 from compute.runner import Feed, ModelRunner, ScheduledChunk
@@ -43,7 +43,7 @@ from compute.sampling import RowState, sample
 from compute.scheduler import Chunk
 from compute.stops import StopChecker
 from compute.transfer import to_device
-from contracts.records import OutputRecord, SamplingParams
+from contracts.records import OutputRecord, SamplingParams, TokenLogprob
 
 __all__ = ["Launched", "ModelStep", "Processed"]
 
@@ -58,6 +58,26 @@ class Row:
     forks: bool  # a new branch, forked from branch 0 at its first token
 
 
+@dataclass(frozen=True)
+class Logprobs:
+    """Log-probabilities of a launched step's sampled tokens, for ``rows`` (indices into its
+    rows), copied to the host (read after ``Launched.wait``)."""
+
+    rows: list[int]
+    counts: list[int]  # how many top tokens each row's request asked for
+    chosen: torch.Tensor  # [W] float32: each row's sampled token
+    top_ids: torch.Tensor  # [W, k] int64: the k most likely tokens, best first
+    top_values: torch.Tensor  # [W, k] float32
+
+    def of(self) -> dict[int, TokenLogprob]:
+        """Row -> its token's ``TokenLogprob`` (each row keeps its request's ``logprobs``)."""
+        chosen, ids, values = self.chosen.tolist(), self.top_ids.tolist(), self.top_values.tolist()
+        return {
+            row: TokenLogprob(chosen[i], list(zip(ids[i][:k], values[i][:k], strict=True)))
+            for i, (row, k) in enumerate(zip(self.rows, self.counts, strict=True))
+        }
+
+
 @dataclass
 class Launched:
     """A step on the device: what it computes and where its drawn ids arrive."""
@@ -70,6 +90,7 @@ class Launched:
     logits: torch.Tensor  # [chunks, vocab]: read only by a ``sync`` step's processing
     beams: list[int]  # chunks of beam searches (their logits are read when processed)
     events: tuple[torch.cuda.Event, torch.cuda.Event] | None  # around the device work
+    logprobs: Logprobs | None = None  # of the rows whose request asked for them
     frees_after: list[str] = field(default_factory=list)  # to free once this is processed
 
     @property
@@ -163,21 +184,23 @@ class ModelStep:
             fan_out = params.n if generated == 0 and branch.index == 0 else 1
             row_of[seq.seq_id] = len(rows)
             for k in range(branch.index, branch.index + fan_out):
-                if needs_processing(params):
+                if active.processed:
                     processed.append(self._processed_row(len(rows), chunk, params, branch.stop))
                 rows.append(Row(i, active, k, forks=k != branch.index))
                 states.append(RowState(params, k, generated))
             self.scheduler.launched(chunk, sampling=True, feedable=fan_out == 1)
-        sampled = host = None
+        sampled = host = logprobs = None
         if rows:
             index = [r.chunk for r in rows]
             drawn = logits  # one row per chunk, in order: no gather
             if index != list(range(len(chunks))):
                 drawn = logits[to_device(index, logits.device)]  # [R, vocab]
+            raw = drawn
             if processed:
                 source = self.inflight.sampled if self.inflight is not None else None
                 drawn = process_logits(drawn.float(), processed, source)
             sampled = sample(drawn, states).token_ids  # [R]
+            logprobs = _logprobs(raw, sampled, [row.active.record.params for row in rows])
             host = sampled
             if cuda:
                 host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
@@ -185,7 +208,7 @@ class ModelStep:
         if events is not None:
             events[1].record()
         self._phase("draw", clock)
-        return Launched(chunks, rows, row_of, sampled, host, logits, beams, events)
+        return Launched(chunks, rows, row_of, sampled, host, logits, beams, events, logprobs)
 
     def _processed_row(
         self, row: int, chunk: Chunk, params: SamplingParams, stop: StopChecker
@@ -222,24 +245,25 @@ class ModelStep:
         later launched step may still write wait for that step: ``free_later``)."""
         clock = time.perf_counter()
         tokens = launched.wait()
+        logprob_of = launched.logprobs.of() if launched.logprobs is not None else {}
         clock = self._phase("wait", clock)
         self.device_s += launched.device_ms() / 1e3
         self.kvsync.frees += launched.frees_after  # nothing on the device writes them now
         for chunk in launched.chunks:
             self.scheduler.processed(chunk)
         live = [
-            (row, token)
-            for row, token in zip(launched.rows, tokens, strict=True)
+            (i, row, token)
+            for i, (row, token) in enumerate(zip(launched.rows, tokens, strict=True))
             if self._live(launched.chunks[row.chunk])  # else it ended while this ran
         ]
-        for row, token in live:
+        for _, row, token in live:
             if row.forks:  # counted before any branch can finish: ``final`` stays right
                 row.active.live += 1
             else:
                 self.scheduler.sampled(launched.chunks[row.chunk].seq, token)
         records: list[OutputRecord] = []
         frees: list[str] = []
-        for row, token in live:
+        for i, row, token in live:
             active, k = row.active, row.index
             branch = (
                 self.requests.fork_branch(active, k, token) if row.forks else active.branches[k]
@@ -257,8 +281,18 @@ class ModelStep:
                 )
             offset = branch.stop.num_generated - 1
             final = active.live == 0
+            logprob = [logprob_of[i]] if i in logprob_of else None
             records.append(
-                output_record(active, k, [token], update.finish_reason, final, update.text, offset)
+                output_record(
+                    active,
+                    k,
+                    [token],
+                    update.finish_reason,
+                    final,
+                    update.text,
+                    offset,
+                    logprobs=logprob,
+                )
             )
         searches: dict[str, Active] = {}
         for i in launched.beams:
@@ -327,3 +361,30 @@ class ModelStep:
             self.quiesce()
         finally:
             self.inflight = None
+
+
+def _logprobs(
+    logits: torch.Tensor, sampled: torch.Tensor, params: list[SamplingParams]
+) -> Logprobs | None:
+    """The log-probabilities of the sampled tokens of the rows whose request asked for them,
+    from ``logits`` (before penalties and temperature), and of each row's top ``k`` (the most
+    any of them asked for: each row's record keeps its own), copied to the host without
+    waiting. None if no row asked."""
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not rows:
+        return None
+    counts = [params[i].logprobs or 0 for i in rows]
+    k = max(counts)
+    index = to_device(rows, logits.device)
+    logprob = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)  # [W, vocab]
+    chosen = logprob.gather(1, sampled.index_select(0, index)[:, None])[:, 0]  # [W]
+    values, ids = logprob.topk(k, dim=-1)  # [W, k]
+    return Logprobs(rows, counts, *(_to_host(t) for t in (chosen, ids, values)))
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` in pinned host memory, enqueued (read it after the step's event)."""
+    if t.device.type != "cuda":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)

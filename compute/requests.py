@@ -7,11 +7,13 @@ a request over.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from compute.beams import BeamGroup
+from compute.penalties import needs_processing
 from compute.scheduler import SeqStatus, Sequence
 from compute.stops import StopChecker
-from contracts.records import FinishReason, OutputRecord, RequestRecord
+from contracts.records import FinishReason, OutputRecord, RequestRecord, TokenLogprob
 
 
 @dataclass
@@ -35,6 +37,11 @@ class Active:
     cached_tokens: int = 0
     beams: BeamGroup | None = None
 
+    @cached_property
+    def processed(self) -> bool:
+        """Its rows go through ``compute.penalties`` (decided once: the params are frozen)."""
+        return needs_processing(self.record.params)
+
     def sequences(self) -> list[Sequence]:
         """Every sequence of the request that is not finished."""
         beams = self.beams.live if self.beams else []
@@ -55,6 +62,7 @@ def output_record(
     text: str = "",
     offset: int = 0,
     error: str | None = None,
+    logprobs: list[TokenLogprob] | None = None,
 ) -> OutputRecord:
     """One delta of sequence ``index`` (``offset``: its tokens before these); ``final`` ends
     the request."""
@@ -69,4 +77,5 @@ def output_record(
         final=final,
         text=text,
         offset=offset,
+        logprobs=logprobs,
     )

@@ -10,8 +10,8 @@ from typing import Literal
 import msgspec
 
 RECORD_VERSION = 3  # 2: RequestRecord without arrival_time and priority, OutputRecord without
-# logprobs, with offset; RequestRecord.gateway. 3: SamplingParams' penalties, logit_bias and
-# min_tokens
+# logprobs, with offset; RequestRecord.gateway. 3: SamplingParams' penalties, logit_bias,
+# min_tokens and logprobs; OutputRecord.logprobs
 
 
 class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -24,6 +24,9 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     ``presence_penalty``, ``frequency_penalty`` (OpenAI's), ``repetition_penalty`` (Hugging
     Face's, over prompt and output), ``logit_bias`` (token id -> bias) and ``min_tokens`` are
     applied by ``compute.penalties`` (sampled rows only: beam search takes none of them).
+    ``logprobs``: with each sampled token, its log-probability and the ``logprobs`` most likely
+    tokens' (0-20), from the model's distribution before penalties and temperature (vLLM's
+    default, ``raw_logprobs``); None: none.
     """
 
     max_tokens: int = 16
@@ -42,6 +45,7 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = {}
     min_tokens: int = 0
+    logprobs: int | None = None
 
     def validate(self) -> None:
         """Raises ValueError naming the first field out of range."""
@@ -60,6 +64,8 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
             (all(-100 <= b <= 100 for b in self.logit_bias.values()), "logit_bias in [-100, 100]"),
             (0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),
             (self.beam_width == 1 or not self._processed(), "beam search takes no penalties"),
+            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
+            (self.beam_width == 1 or self.logprobs is None, "beam search gives no logprobs"),
         ]
         for ok, message in checks:
             if not ok:
@@ -97,6 +103,14 @@ class RequestRecord(msgspec.Struct, array_like=True, forbid_unknown_fields=True,
     gateway: str = ""
 
 
+class TokenLogprob(msgspec.Struct, array_like=True, forbid_unknown_fields=True, gc=False):
+    """One sampled token's log-probability and the most likely tokens' (id, logprob), best
+    first."""
+
+    logprob: float
+    top: list[tuple[int, float]] = []
+
+
 class OutputRecord(
     msgspec.Struct, array_like=True, forbid_unknown_fields=True, tag="out", gc=False
 ):
@@ -110,6 +124,7 @@ class OutputRecord(
     record of a request. ``text``: the output text these tokens add, as the worker's stop checker
     released it (a stop string and an incomplete UTF-8 character are never in it; the held-back
     characters come with a later record): clients stream ``text``, not a decode of the tokens.
+    ``logprobs``: one per token of ``token_ids`` when the request asked for them.
     ``offset``: how many tokens of this sequence came before this record's. A worker that
     rebuilds a request after a Redis restart lost the stream's last entries publishes those
     tokens again, with the same offsets and text: a reader skips what it already has.
@@ -125,6 +140,7 @@ class OutputRecord(
     final: bool = False
     text: str = ""
     offset: int = 0
+    logprobs: list[TokenLogprob] | None = None
 
 
 class StreamedSequence(msgspec.Struct):

@@ -36,6 +36,7 @@ import redis.asyncio
 from contracts import queue_gateway
 from contracts.records import OutputRecord, RequestRecord
 from gateway.errors import APIError
+from gateway.logprobs import Logprob
 from gateway.metrics import Metrics
 from gateway.prepare import ModelInfo, Prepared
 from gateway.router import OutputRouter
@@ -54,11 +55,13 @@ class GenerationError(Exception):
 
 @dataclass
 class Delta:
-    """New text of one choice; ``finish_reason`` set on its last delta."""
+    """New text of one choice; ``finish_reason`` set on its last delta; the sampled tokens'
+    logprobs when the request asked for them."""
 
     index: int
     text: str
     finish_reason: str | None = None
+    logprobs: list[Logprob] | None = None
 
 
 @dataclass
@@ -241,9 +244,12 @@ class Generation:
                 return []
             if record.token_ids:
                 self._observe(seq, len(record.token_ids))
-            if seq.finish_reason is None and (record.text or record.finish_reason):
+            logprobs = None
+            if record.logprobs is not None:
+                logprobs = list(zip(record.token_ids, record.logprobs, strict=True))
+            if seq.finish_reason is None and (record.text or record.finish_reason or logprobs):
                 seq.finish_reason = record.finish_reason
-                deltas.append(Delta(seq.index, record.text, record.finish_reason))
+                deltas.append(Delta(seq.index, record.text, record.finish_reason, logprobs))
         if record.final:
             deltas += self._end_all(prompt, record)
         return deltas

@@ -29,6 +29,7 @@ from aiohttp import web
 
 from gateway.errors import APIError
 from gateway.generation import Delta, Generation, GenerationError
+from gateway.logprobs import Decode, Logprob, chat_logprobs, completion_logprobs
 from gateway.prepare import Prepared, prepare_chat, prepare_completion
 from gateway.schemas import ChatRequest, CompletionRequest, decode_body
 from gateway.state import STATE, AppState
@@ -52,14 +53,22 @@ async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await _body(request, state)
     prepared = await state.off_loop(_prepare_completion, state, body)
-    return await _serve(request, state, prepared, _Format(chat=False))
+    return await _serve(request, state, prepared, _Format(False, _token_text(state, prepared)))
 
 
 async def chat(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await _body(request, state)
     prepared = await state.off_loop(_prepare_chat, state, body)
-    return await _serve(request, state, prepared, _Format(chat=True))
+    return await _serve(request, state, prepared, _Format(True, _token_text(state, prepared)))
+
+
+def _token_text(state: AppState, prepared: Prepared) -> Decode:
+    """How a logprob names its token: its text, or ``token_id:<id>`` (vLLM's
+    ``return_tokens_as_token_ids``: a token that is part of a UTF-8 character has no text)."""
+    if prepared.tokens_as_ids:
+        return lambda ids: "".join(f"token_id:{t}" for t in ids)
+    return state.model.decode
 
 
 def _prepare_completion(state: AppState, body: bytes) -> Prepared:
@@ -137,14 +146,19 @@ async def _complete(gen: Generation, fmt: _Format) -> web.Response:
         for i in range(n):
             texts[i].append(gen.request.echo_texts[i // gen.request.params.n])
     finish: list[str | None] = [None] * n
+    logprobs: list[list[Logprob]] = [[] for _ in range(n)]
     try:
         async for deltas in gen.deltas():
             for delta in deltas:
                 texts[delta.index].append(delta.text)
                 finish[delta.index] = delta.finish_reason or finish[delta.index]
+                logprobs[delta.index] += delta.logprobs or []
     except GenerationError as err:
         raise err.error from err
     choices = [fmt.choice(i, "".join(texts[i]), finish[i]) for i in range(n)]
+    if gen.request.params.logprobs is not None:
+        for i, choice in enumerate(choices):
+            choice["logprobs"] = fmt.logprobs(i, logprobs[i])
     body = fmt.envelope(gen.request_id, gen.model.name, choices, stream=False)
     body["usage"] = gen.usage().as_dict()
     return web.Response(body=_encode(body), content_type="application/json")
@@ -188,9 +202,20 @@ async def _stream(request: web.Request, gen: Generation, fmt: _Format) -> web.St
 class _Format:
     """The shapes of one endpoint's responses."""
 
-    def __init__(self, chat: bool) -> None:
+    def __init__(self, chat: bool, decode: Decode) -> None:
         self.chat = chat
         self.prefix = "chatcmpl" if chat else "cmpl"
+        self.decode = decode  # one token's text, for logprobs
+        self._offsets: dict[int, int] = {}  # completions: each choice's text so far, in chars
+
+    def logprobs(self, index: int, entries: list[Logprob]) -> dict[str, Any]:
+        """Choice ``index``'s logprobs object for these tokens (the next ones of its text)."""
+        if self.chat:
+            return chat_logprobs(entries, self.decode)
+        body, self._offsets[index] = completion_logprobs(
+            entries, self.decode, self._offsets.get(index, 0)
+        )
+        return body
 
     def envelope(
         self,
@@ -218,13 +243,18 @@ class _Format:
         return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
 
     def chunk(self, delta: Delta) -> dict[str, Any]:
+        logprobs = None
+        if delta.logprobs is not None:
+            logprobs = self.logprobs(delta.index, delta.logprobs)
         if not self.chat:
-            return self.choice(delta.index, delta.text, delta.finish_reason)
+            return self.choice(delta.index, delta.text, delta.finish_reason) | {
+                "logprobs": logprobs
+            }
         content = {"content": delta.text} if delta.text or not delta.finish_reason else {}
         return {
             "index": delta.index,
             "delta": content,
-            "logprobs": None,
+            "logprobs": logprobs,
             "finish_reason": delta.finish_reason,
         }
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +53,10 @@ class ModelInfo:
     created: int
     max_token_chars: int = 64
 
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of ``ids``, special tokens included (a logprob's token may be EOS)."""
+        return str(self.tokenizer.decode(list(ids)))
+
     @classmethod
     def load(cls, config: GatewayConfig) -> ModelInfo:
         from contracts.model_config import load_config
@@ -81,14 +86,21 @@ class Prepared:
     include_usage: bool
     salt: bytes | None
     echo_texts: list[str] | None = None  # completions with echo: the prompts' text
+    tokens_as_ids: bool = False  # logprobs name tokens "token_id:<id>" (vLLM's extension)
 
 
 def prepare_completion(
     req: CompletionRequest, model: ModelInfo, max_n: int, capacity: KVCapacity | None = None
 ) -> Prepared:
-    for name, value in (("logprobs", req.logprobs), ("suffix", req.suffix)):
-        if value is not None:
-            raise bad_request(f"{name} is not supported", name, "unsupported_parameter")
+    if req.suffix is not None:
+        raise bad_request("suffix is not supported", "suffix", "unsupported_parameter")
+    logprobs = None if req.logprobs is None else _in_range(req.logprobs, 0, "logprobs", 0, 20)
+    if logprobs is not None and req.echo:
+        raise bad_request(
+            "echo with logprobs (the prompt's logprobs) is not supported yet",
+            "echo",
+            "unsupported_parameter",
+        )
     prompts, texts = _completion_prompts(req.prompt, model)
     echo_texts = None
     if req.echo:
@@ -97,7 +109,7 @@ def prepare_completion(
     longest = max(len(p) for p in prompts)
     limits = Limits(model, capacity, beam_width_of(req))
     max_tokens = limits.max_tokens(req.max_tokens, "max_tokens", longest, "prompt")
-    return _prepared(req, prompts, max_tokens, model, max_n, echo_texts)
+    return _prepared(req, prompts, max_tokens, model, max_n, echo_texts, logprobs)
 
 
 def prepare_chat(
@@ -110,15 +122,17 @@ def prepare_chat(
         raise bad_request(
             "response_format is not supported", "response_format", "unsupported_parameter"
         )
-    if req.logprobs or req.top_logprobs:
-        raise bad_request("logprobs are not supported", "logprobs", "unsupported_parameter")
+    top = _in_range(req.top_logprobs, 0, "top_logprobs", 0, 20)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+    logprobs = top if req.logprobs else None
     prompt = _chat_prompt(req, model)
     requested, param = req.max_tokens, "max_tokens"
     if req.max_completion_tokens is not None:
         requested, param = req.max_completion_tokens, "max_completion_tokens"
     limits = Limits(model, capacity, beam_width_of(req))
     max_tokens = limits.max_tokens(requested, param, len(prompt), "messages", chat=True)
-    return _prepared(req, [prompt], max_tokens, model, max_n, None)
+    return _prepared(req, [prompt], max_tokens, model, max_n, None, logprobs)
 
 
 # ---------------------------------------------------------------- prompts
@@ -225,6 +239,7 @@ def _prepared(
     model: ModelInfo,
     max_n: int,
     echo_texts: list[str] | None,
+    logprobs: int | None = None,
 ) -> Prepared:
     n = _in_range(req.n, 1, "n", 1, max_n)
     temperature = _finite(req.temperature, 1.0, "temperature", low=0.0)
@@ -260,6 +275,8 @@ def _prepared(
     changed = [name for name, value in penalties.items() if value != _NO_PENALTIES[name]]
     if beam and changed:
         raise bad_request(f"{changed[0]} does not apply to beam search", changed[0], "unsupported")
+    if beam and logprobs is not None:
+        raise bad_request("beam search gives no logprobs", "logprobs", "unsupported")
     params = SamplingParams(
         max_tokens=max_tokens,
         temperature=temperature,
@@ -273,6 +290,7 @@ def _prepared(
         beam_width=beam_width,
         length_penalty=_finite(req.length_penalty, 1.0, "length_penalty"),
         **penalties,
+        logprobs=logprobs,
     )
     try:
         params.validate()
@@ -287,6 +305,7 @@ def _prepared(
         include_usage=bool(req.stream and options and options.include_usage),
         salt=salt,
         echo_texts=echo_texts,
+        tokens_as_ids=bool(req.return_tokens_as_token_ids),
     )
 
 
@@ -317,17 +336,18 @@ def _penalties(
         )
     values["repetition_penalty"] = repetition
     bias: dict[int, float] = {}
+    if len(req.logit_bias or {}) > MAX_LOGIT_BIAS:
+        raise bad_request(f"at most {MAX_LOGIT_BIAS} logit_bias entries", "logit_bias")
     for key, value in (req.logit_bias or {}).items():
-        if not key.strip().isdigit():
+        digits = key.strip()
+        if not (digits.isascii() and digits.isdigit() and len(digits) < 12):
             raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
-        token = _check_ids([int(key)], model, "logit_bias")[0]
+        token = _check_ids([int(digits)], model, "logit_bias")[0]
         if not (math.isfinite(value) and -100 <= value <= 100):
             raise bad_request(
                 f"logit_bias values must be in [-100, 100], got {value}", "logit_bias"
             )
         bias[token] = float(value)
-    if len(bias) > MAX_LOGIT_BIAS:
-        raise bad_request(f"at most {MAX_LOGIT_BIAS} logit_bias entries", "logit_bias")
     values["logit_bias"] = bias
     values["min_tokens"] = _in_range(req.min_tokens, 0, "min_tokens", 0, max_tokens)
     return values

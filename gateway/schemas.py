@@ -47,6 +47,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
     length_penalty: float | None = None
     repetition_penalty: float | None = None
     min_tokens: int | None = None
+    return_tokens_as_token_ids: bool | None = None  # logprobs name tokens "token_id:<id>"
     cache_salt: str | None = None  # only requests with the same salt share prefix-cache blocks
     priority: int | None = None  # only 0 (vLLM's default): scheduling by priority is not built
 

@@ -124,7 +124,22 @@ CASES: dict[str, tuple[str, bytes | dict[str, Any], int, str | None, str | None]
         "request_too_large",
     ),
     "empty_prompt_list": (COMPLETIONS, ok_completion(prompt=[]), 400, "prompt", None),
-    "logprobs_unsupported": (COMPLETIONS, ok_completion(logprobs=2), 400, "logprobs", None),
+    "echo_with_logprobs_not_built": (
+        COMPLETIONS,
+        ok_completion(logprobs=2, echo=True),
+        400,
+        "echo",
+        "unsupported_parameter",
+    ),
+    "logprobs_above_20": (COMPLETIONS, ok_completion(logprobs=21), 400, "logprobs", None),
+    "top_logprobs_without_logprobs": (CHAT, ok_chat(top_logprobs=2), 400, "top_logprobs", None),
+    "logprobs_with_beam_search": (
+        COMPLETIONS,
+        ok_completion(use_beam_search=True, best_of=2, logprobs=1),
+        400,
+        "logprobs",
+        "unsupported",
+    ),
     "seed_too_large": (COMPLETIONS, ok_completion(seed=2**70), 400, "seed", None),
     "presence_penalty_above_2": (
         CHAT,
@@ -150,6 +165,13 @@ CASES: dict[str, tuple[str, bytes | dict[str, Any], int, str | None, str | None]
     "logit_bias_key_not_a_token": (
         CHAT,
         ok_chat(logit_bias={"hello": 1}),
+        400,
+        "logit_bias",
+        None,
+    ),
+    "logit_bias_key_of_unicode_digits": (
+        COMPLETIONS,
+        ok_completion(logit_bias={"\u00b2": 1, "9" * 5000: 1}),
         400,
         "logit_bias",
         None,

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TypedDict, TypeVar
+from typing import Any, TypedDict, TypeVar
 
 import openai
 import pytest
+import torch
 from openai.types import Completion, CompletionChoice, CompletionUsage
 from openai.types.chat import ChatCompletionChunk, ChatCompletionMessageParam
 
+from compute.models import load_model
+from tests.compute.driver import reference_model
 from tests.gateway.conftest import Stack
 
 
@@ -262,3 +265,94 @@ def test_logit_bias_and_penalties_reach_the_sampler(client: openai.OpenAI) -> No
     )
     reply = chat.choices[0].message.content or ""
     assert chat.choices[0].finish_reason == "length" and reply.count(text[0]) <= 1, reply
+
+
+@pytest.fixture(scope="module")
+def truth() -> torch.nn.Module:
+    """The workers' tiny model as transformers runs it (fp32, CPU): the logprobs' oracle."""
+    model, _ = load_model("tiny", "float32", "cpu")
+    return reference_model(model)
+
+
+def log_softmax_rows(model: torch.nn.Module, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """[len(output), vocab]: log_softmax of transformers' own forward at each output position."""
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + output[:-1]])).logits[0, len(prompt) - 1 :]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def test_completion_logprobs_equal_log_softmax_streamed_or_not(
+    client: openai.OpenAI, truth: torch.nn.Module
+) -> None:
+    prompt = [72, 101, 108, 108, 111, 44, 32]
+    kwargs: dict[str, Any] = dict(
+        model="tiny", prompt=prompt, max_tokens=8, temperature=0, logprobs=3
+    )
+    out = client.completions.create(**kwargs)
+    logprobs = out.choices[0].logprobs
+    assert logprobs is not None and logprobs.token_logprobs is not None
+    tokenizer = load_model("tiny", "float32", "cpu")[1]
+    output = tokenizer.encode(out.choices[0].text, add_special_tokens=False)
+    assert len(output) == 8 and logprobs.tokens == [tokenizer.decode([t]) for t in output]
+    want = log_softmax_rows(truth, prompt, output)
+    for i, token in enumerate(output):
+        assert abs(logprobs.token_logprobs[i] - float(want[i, token])) < 1e-4, i
+        top = logprobs.top_logprobs[i] if logprobs.top_logprobs else {}
+        ranked = want[i].topk(3)
+        assert list(top) == [tokenizer.decode([int(t)]) for t in ranked.indices]
+        assert all(
+            abs(v - float(w)) < 1e-4 for v, w in zip(top.values(), ranked.values, strict=True)
+        )
+    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(8)]
+    streamed = [c.choices[0].logprobs for c in client.completions.create(stream=True, **kwargs)]
+    joined = [
+        x for chunk in streamed if chunk and chunk.token_logprobs for x in chunk.token_logprobs
+    ]
+    assert joined == logprobs.token_logprobs
+
+
+def test_chat_logprobs_and_top_logprobs(client: openai.OpenAI, truth: torch.nn.Module) -> None:
+    out = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    content = out.choices[0].logprobs.content if out.choices[0].logprobs else None
+    assert content is not None and len(content) == 5
+    for entry in content:
+        assert len(entry.top_logprobs) == 2 and entry.top_logprobs[0].logprob >= entry.logprob
+        assert entry.top_logprobs[0].token == entry.token  # greedy: the sampled token is the best
+        assert entry.bytes == list(entry.token.encode())
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], top_logprobs=2
+        )
+
+
+def test_logprobs_are_of_the_distribution_before_penalties(
+    client: openai.OpenAI, truth: torch.nn.Module
+) -> None:
+    """vLLM's default (raw logprobs): the sampled token's logprob is the model's, even where a
+    penalty made greedy decoding pick another token than the model's best. The tokens come as
+    ``token_id:<id>`` (vLLM's ``return_tokens_as_token_ids``): some are bytes of no character."""
+    prompt = [72, 72, 72, 101, 101, 32]
+    out = client.completions.create(
+        model="tiny",
+        prompt=prompt,
+        max_tokens=10,
+        temperature=0,
+        logprobs=0,
+        extra_body={"repetition_penalty": 5.0, "return_tokens_as_token_ids": True},
+    )
+    logprobs = out.choices[0].logprobs
+    assert logprobs is not None and logprobs.token_logprobs and logprobs.tokens
+    assert all(t.startswith("token_id:") for t in logprobs.tokens)
+    output = [int(t.removeprefix("token_id:")) for t in logprobs.tokens]
+    want = log_softmax_rows(truth, prompt, output)
+    got = logprobs.token_logprobs
+    assert all(abs(got[i] - float(want[i, t])) < 1e-4 for i, t in enumerate(output))
+    assert any(int(want[i].argmax()) != t for i, t in enumerate(output)), "no penalty effect"
+    assert logprobs.top_logprobs == [{}] * 10
