@@ -245,8 +245,8 @@ class ModelStep:
         later launched step may still write wait for that step: ``free_later``)."""
         clock = time.perf_counter()
         tokens = launched.wait()
-        logprob_of = launched.logprobs.of() if launched.logprobs is not None else {}
         clock = self._phase("wait", clock)
+        logprob_of = launched.logprobs.of() if launched.logprobs is not None else {}
         self.device_s += launched.device_ms() / 1e3
         self.kvsync.frees += launched.frees_after  # nothing on the device writes them now
         for chunk in launched.chunks:
