@@ -185,7 +185,8 @@ class ModelStep:
             row_of[seq.seq_id] = len(rows)
             for k in range(branch.index, branch.index + fan_out):
                 if active.processed:
-                    processed.append(self._processed_row(len(rows), chunk, params, branch.stop))
+                    row = self._processed_row(len(rows), chunk, params, generated, branch.stop)
+                    processed.append(row)
                 rows.append(Row(i, active, k, forks=k != branch.index))
                 states.append(RowState(params, k, generated))
             self.scheduler.launched(chunk, sampling=True, feedable=fan_out == 1)
@@ -211,14 +212,13 @@ class ModelStep:
         return Launched(chunks, rows, row_of, sampled, host, logits, beams, events, logprobs)
 
     def _processed_row(
-        self, row: int, chunk: Chunk, params: SamplingParams, stop: StopChecker
+        self, row: int, chunk: Chunk, params: SamplingParams, generated: int, stop: StopChecker
     ) -> ProcessedRow:
         """What ``compute.penalties`` reads of a row drawing ``chunk``'s sequence's next token:
         its tokens (the newest one still on the device if the chunk is fed) and, while under
         ``min_tokens``, its stop ids to mask."""
         seq = chunk.seq
         fed = self.inflight.row_of[seq.seq_id] if chunk.fed and self.inflight else -1
-        generated = len(seq.token_ids) - seq.num_prompt + (fed >= 0)
         banned = sorted(stop.stop_token_ids) if generated < params.min_tokens else []
         prompt, output = seq.token_ids[: seq.num_prompt], seq.token_ids[seq.num_prompt :]
         return ProcessedRow(row, params, prompt, output, fed, banned)

@@ -13,13 +13,13 @@ greedy argmax:
 4. ``frequency_penalty`` and ``presence_penalty`` (OpenAI): ``logits[j] -= c[j] * frequency +
    (c[j] > 0) * presence``, ``c[j]`` counting token ``j`` in the output so far.
 
-Only the rows that use one of them are processed; the others are left as they are. The work
-is batched on the device: token counts and masks are built by one scatter over the listed
-rows' tokens, never by a loop over the vocabulary. The host lists each processed row's known
-tokens every step (its prompt and output), so a processed row costs host time in proportion
-to its length. A row's newest output token may still be on the device (the overlapped
-engine feeds it to the next step before the host sees it): ``fed`` names it, and it is
-counted from the device.
+Only the rows that use one of them (``SamplingParams.uses_processors``) are processed; the
+others are left as they are. The work is batched on the device: token counts and masks are
+built by one scatter over the listed rows' tokens, never by a loop over the vocabulary. The
+host lists each processed row's known tokens every step (its prompt and output), so a
+processed row costs host time in proportion to its length. A row's newest output token may
+still be on the device (the overlapped engine feeds it to the next step before the host sees
+it): ``fed`` names it, and it is counted from the device.
 """
 
 from __future__ import annotations
@@ -35,18 +35,7 @@ from compute.transfer import to_device
 if TYPE_CHECKING:  # only its fields are read
     from contracts.records import SamplingParams
 
-__all__ = ["ProcessedRow", "needs_processing", "process_logits"]
-
-
-def needs_processing(params: SamplingParams) -> bool:
-    """Whether the request uses any processor of this module."""
-    return bool(
-        params.min_tokens > 0
-        or params.logit_bias
-        or params.repetition_penalty != 1.0
-        or params.frequency_penalty != 0.0
-        or params.presence_penalty != 0.0
-    )
+__all__ = ["ProcessedRow", "process_logits"]
 
 
 @dataclass(frozen=True)

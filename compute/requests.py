@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from compute.beams import BeamGroup
-from compute.penalties import needs_processing
 from compute.scheduler import SeqStatus, Sequence
 from compute.stops import StopChecker
 from contracts.records import FinishReason, OutputRecord, RequestRecord, TokenLogprob
@@ -40,7 +39,7 @@ class Active:
     @cached_property
     def processed(self) -> bool:
         """Its rows go through ``compute.penalties`` (decided once: the params are frozen)."""
-        return needs_processing(self.record.params)
+        return self.record.params.uses_processors()
 
     def sequences(self) -> list[Sequence]:
         """Every sequence of the request that is not finished."""

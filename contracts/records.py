@@ -63,7 +63,7 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
             (0 < self.repetition_penalty <= 100, "repetition_penalty must be in (0, 100]"),
             (all(-100 <= b <= 100 for b in self.logit_bias.values()), "logit_bias in [-100, 100]"),
             (0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),
-            (self.beam_width == 1 or not self._processed(), "beam search takes no penalties"),
+            (self.beam_width == 1 or not self.uses_processors(), "beam search takes no penalties"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
             (self.beam_width == 1 or self.logprobs is None, "beam search gives no logprobs"),
         ]
@@ -71,7 +71,8 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
             if not ok:
                 raise ValueError(message)
 
-    def _processed(self) -> bool:
+    def uses_processors(self) -> bool:
+        """Whether any field ``compute.penalties`` applies differs from its default."""
         return bool(
             self.presence_penalty
             or self.frequency_penalty

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
-from compute.penalties import ProcessedRow, needs_processing, process_logits
+from compute.penalties import ProcessedRow, process_logits
 from contracts.records import SamplingParams
 from tests.compute.serving import prompts_of, run_engine
 
@@ -59,8 +59,8 @@ def test_processed_rows_match_the_references_and_the_others_stay_as_they_are() -
     assert got[3, 0] == float("-inf") and got[3, 3] == float("-inf")
 
 
-def test_needs_processing_only_for_non_default_fields() -> None:
-    assert not needs_processing(SamplingParams())
+def test_uses_processors_only_for_non_default_fields() -> None:
+    assert not SamplingParams().uses_processors()
     for field in (
         {"presence_penalty": 0.1},
         {"frequency_penalty": -0.1},
@@ -68,7 +68,7 @@ def test_needs_processing_only_for_non_default_fields() -> None:
         {"logit_bias": {3: 0.5}},
         {"min_tokens": 1},
     ):
-        assert needs_processing(SamplingParams(**field)), field
+        assert SamplingParams(**field).uses_processors(), field
 
 
 def greedy_reference(
