@@ -57,6 +57,7 @@ class KVSync:
     requests: Requests
     forks: dict[str, list[str]] = field(default_factory=dict)  # parent -> children, to send
     frees: list[str] = field(default_factory=list)  # sequences to free, to send
+    finals: list[p.AppendItem] = field(default_factory=list)  # ended sequences' last progress
     copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) the runner owes
     # Waits until no launched step can still write the pool; called before a preemption, whose
     # swap-out reads the victim's blocks and whose freed blocks may go to another request.
@@ -70,6 +71,7 @@ class KVSync:
         scheduler = self.requests.scheduler
         forks = [p.ForkItem(parent, children) for parent, children in self.forks.items()]
         frees, self.forks, self.frees = self.frees, {}, []
+        finals, self.finals = self.finals, []
         decodes, appends = [], []
         for seq in scheduler.running():
             if len(seq.unreported) == 1 and seq.num_done == seq.num_reported:
@@ -90,6 +92,7 @@ class KVSync:
         body = p.Step(
             self.worker_id,
             frees=frees,
+            finals=finals,
             forks=forks,
             appends=appends,
             tokens=tokens,
@@ -107,11 +110,19 @@ class KVSync:
     def call(self, body: p.Step) -> p.StepReply:
         return self.kv.call(body)
 
+    def ended(self, seq: Sequence) -> None:
+        """``seq`` ended: its last progress goes with the next step (``Step.finals``), so the
+        blocks it computed join the prefix index even if it is freed in the same step."""
+        self.finals.append(p.AppendItem(seq.seq_id, [], min(seq.num_done, seq.num_reported)))
+
     def _admit_item(self, seq: Sequence) -> p.AdmitItem:
         owner = self.requests.owner(seq.seq_id)
         assert owner is not None, f"{seq.seq_id}: a sequence of no request"
         adopt = seq.seq_id in self.requests.adopting
-        return p.AdmitItem(seq.seq_id, seq.token_ids, owner.record.salt, adopt=adopt)
+        reuse = owner.prompt_logprobs is None  # else a cached part would have no logits
+        return p.AdmitItem(
+            seq.seq_id, seq.token_ids, owner.record.salt, adopt=adopt, reuse_prefix=reuse
+        )
 
     def _apply(self, reply: p.StepReply, reporting: list[str]) -> list[Refusal]:
         """Takes in a step reply; while a running sequence got no block for its new tokens,
@@ -171,7 +182,7 @@ class KVSync:
     def _refusal(self, error: p.ItemError) -> Refusal | None:
         """What a refused item means. None: nothing to do now (no space yet: it waits; a free
         of what the kvstore no longer holds)."""
-        if error.code == "no_space" or error.op == "free":
+        if error.code == "no_space" or error.op in ("free", "final"):
             return None
         if error.op == "admit" and error.req_id in self.requests.adopting:
             if error.code == "unknown_request":  # its blocks are gone: admit it, recompute

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from compute.kvsync import KVSync
+from compute.logprobs import Logprobs, PromptLogprobs, sampled_logprobs, split_prompt_rows
 from compute.penalties import ProcessedRow, process_logits
 from compute.registry import Requests
 from compute.requests import Active, output_record
@@ -43,7 +44,7 @@ from compute.sampling import RowState, sample
 from compute.scheduler import Chunk
 from compute.stops import StopChecker
 from compute.transfer import to_device
-from contracts.records import OutputRecord, SamplingParams, TokenLogprob
+from contracts.records import OutputRecord, SamplingParams
 
 __all__ = ["Launched", "ModelStep", "Processed"]
 
@@ -56,26 +57,6 @@ class Row:
     active: Active
     index: int
     forks: bool  # a new branch, forked from branch 0 at its first token
-
-
-@dataclass(frozen=True)
-class Logprobs:
-    """Log-probabilities of a launched step's sampled tokens, for ``rows`` (indices into its
-    rows), copied to the host (read after ``Launched.wait``)."""
-
-    rows: list[int]
-    counts: list[int]  # how many top tokens each row's request asked for
-    chosen: torch.Tensor  # [W] float32: each row's sampled token
-    top_ids: torch.Tensor  # [W, k] int64: the k most likely tokens, best first
-    top_values: torch.Tensor  # [W, k] float32
-
-    def of(self) -> dict[int, TokenLogprob]:
-        """Row -> its token's ``TokenLogprob`` (each row keeps its request's ``logprobs``)."""
-        chosen, ids, values = self.chosen.tolist(), self.top_ids.tolist(), self.top_values.tolist()
-        return {
-            row: TokenLogprob(chosen[i], list(zip(ids[i][:k], values[i][:k], strict=True)))
-            for i, (row, k) in enumerate(zip(self.rows, self.counts, strict=True))
-        }
 
 
 @dataclass
@@ -91,6 +72,7 @@ class Launched:
     beams: list[int]  # chunks of beam searches (their logits are read when processed)
     events: tuple[torch.cuda.Event, torch.cuda.Event] | None  # around the device work
     logprobs: Logprobs | None = None  # of the rows whose request asked for them
+    prompt: PromptLogprobs | None = None  # of the prompt tokens of chunks that collect them
     frees_after: list[str] = field(default_factory=list)  # to free once this is processed
 
     @property
@@ -160,7 +142,13 @@ class ModelStep:
             events[0].record()
         self.runner.copy_blocks(self.kvsync.copies)
         self.kvsync.copies = []
-        logits = self.runner.forward([self._scheduled(c) for c in chunks], self._feed(chunks))
+        collects = [self._collector(c) for c in chunks]
+        pairs = zip(chunks, collects, strict=True)
+        scheduled = [self._scheduled(c, a is not None) for c, a in pairs]
+        logits = self.runner.forward(scheduled, self._feed(chunks))
+        prompt = None
+        if any(collects):  # logits of every row of those chunks: split them off
+            logits, prompt = split_prompt_rows(chunks, collects, logits)
         self.tokens_computed += sum(c.num_tokens for c in chunks)
         self.tokens_fed += sum(c.fed for c in chunks)
         clock = self._phase("forward", clock)
@@ -201,7 +189,7 @@ class ModelStep:
                 source = self.inflight.sampled if self.inflight is not None else None
                 drawn = process_logits(drawn.float(), processed, source)
             sampled = sample(drawn, states).token_ids  # [R]
-            logprobs = _logprobs(raw, sampled, [row.active.record.params for row in rows])
+            logprobs = sampled_logprobs(raw, sampled, [row.active.record.params for row in rows])
             host = sampled
             if cuda:
                 host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
@@ -209,7 +197,17 @@ class ModelStep:
         if events is not None:
             events[1].record()
         self._phase("draw", clock)
-        return Launched(chunks, rows, row_of, sampled, host, logits, beams, events, logprobs)
+        return Launched(
+            chunks, rows, row_of, sampled, host, logits, beams, events, logprobs, prompt
+        )
+
+    def _collector(self, chunk: Chunk) -> Active | None:
+        """The request collecting prompt logprobs that ``chunk`` computes some of, if any."""
+        seq = chunk.seq
+        if chunk.fed or chunk.start >= seq.num_prompt - 1:  # no prompt token to predict
+            return None
+        found = self.requests.branch(seq.seq_id)
+        return found[0] if found is not None and found[0].prompt_logprobs is not None else None
 
     def _processed_row(
         self, row: int, chunk: Chunk, params: SamplingParams, generated: int, stop: StopChecker
@@ -223,10 +221,10 @@ class ModelStep:
         prompt, output = seq.token_ids[: seq.num_prompt], seq.token_ids[seq.num_prompt :]
         return ProcessedRow(row, params, prompt, output, fed, banned)
 
-    def _scheduled(self, chunk: Chunk) -> ScheduledChunk:
+    def _scheduled(self, chunk: Chunk, every_row: bool) -> ScheduledChunk:
         seq = chunk.seq
         tokens = [0] if chunk.fed else seq.token_ids[chunk.start : chunk.start + chunk.num_tokens]
-        return ScheduledChunk(tokens, chunk.start, seq.block_ids)
+        return ScheduledChunk(tokens, chunk.start, seq.block_ids, every_row)
 
     def _feed(self, chunks: list[Chunk]) -> Feed | None:
         """Where the fed chunks' tokens are: the in-flight step's draw."""
@@ -247,6 +245,8 @@ class ModelStep:
         tokens = launched.wait()
         clock = self._phase("wait", clock)
         logprob_of = launched.logprobs.of() if launched.logprobs is not None else {}
+        if launched.prompt is not None:  # before the first records, which carry them
+            launched.prompt.store()
         self.device_s += launched.device_ms() / 1e3
         self.kvsync.frees += launched.frees_after  # nothing on the device writes them now
         for chunk in launched.chunks:
@@ -275,6 +275,7 @@ class ModelStep:
                     self.requests.finish(branch.seq.seq_id)
                 else:
                     frees.append(branch.seq.seq_id)
+                    self.kvsync.ended(branch.seq)
             elif row.forks:
                 self.kvsync.forks.setdefault(active.branches[0].seq.seq_id, []).append(
                     branch.seq.seq_id
@@ -361,30 +362,3 @@ class ModelStep:
             self.quiesce()
         finally:
             self.inflight = None
-
-
-def _logprobs(
-    logits: torch.Tensor, sampled: torch.Tensor, params: list[SamplingParams]
-) -> Logprobs | None:
-    """The log-probabilities of the sampled tokens of the rows whose request asked for them,
-    from ``logits`` (before penalties and temperature), and of each row's top ``k`` (the most
-    any of them asked for: each row's record keeps its own), copied to the host without
-    waiting. None if no row asked."""
-    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-    if not rows:
-        return None
-    counts = [params[i].logprobs or 0 for i in rows]
-    k = max(counts)
-    index = to_device(rows, logits.device)
-    logprob = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)  # [W, vocab]
-    chosen = logprob.gather(1, sampled.index_select(0, index)[:, None])[:, 0]  # [W]
-    values, ids = logprob.topk(k, dim=-1)  # [W, k]
-    return Logprobs(rows, counts, *(_to_host(t) for t in (chosen, ids, values)))
-
-
-def _to_host(t: torch.Tensor) -> torch.Tensor:
-    """A copy of ``t`` in pinned host memory, enqueued (read it after the step's event)."""
-    if t.device.type != "cuda":
-        return t
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    return host.copy_(t, non_blocking=True)

@@ -46,6 +46,8 @@ class Requests:
         limit = None if beams else record.params.max_tokens
         seq = self.scheduler.add(record.req_id, record.prompt_token_ids, max_tokens=limit)
         active = Active(entry_id, record, {})
+        if record.params.prompt_logprobs is not None:
+            active.prompt_logprobs = [None] * len(record.prompt_token_ids)
         self.active[record.req_id] = active
         if beams:
             active.beams = BeamGroup(seq, record.params, self._eos_ids, self._worker_id)

@@ -35,6 +35,9 @@ class Active:
     live: int = 1  # branches not finished
     cached_tokens: int = 0
     beams: BeamGroup | None = None
+    # the prompt's logprobs by position (the first None), while they are collected: from the
+    # start of a request that asks for them until its first record carries them; None else
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @cached_property
     def processed(self) -> bool:
@@ -64,7 +67,11 @@ def output_record(
     logprobs: list[TokenLogprob] | None = None,
 ) -> OutputRecord:
     """One delta of sequence ``index`` (``offset``: its tokens before these); ``final`` ends
-    the request."""
+    the request. The request's first record with tokens takes its prompt logprobs (mutates
+    ``active.prompt_logprobs``: None after)."""
+    prompt_logprobs = None
+    if tokens and active.prompt_logprobs is not None:
+        prompt_logprobs, active.prompt_logprobs = active.prompt_logprobs, None
     return OutputRecord(
         active.record.req_id,
         index,
@@ -77,4 +84,5 @@ def output_record(
         text=text,
         offset=offset,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
     )

@@ -3,7 +3,8 @@
 The runner is stateless between steps: the caller (the engine loop) owns each request's tokens,
 how many of them are computed, and its block table (from the kvstore's ``Placement``/``Growth``).
 For every step it passes one ``ScheduledChunk`` per request and gets back the logits of each
-request's last scheduled token. Tokens whose KV is written are the caller's to report
+request's last scheduled token (of every scheduled token for a chunk marked ``every_row``: prompt
+logprobs). Tokens whose KV is written are the caller's to report
 (``append(..., num_computed=start + len(token_ids))``).
 """
 
@@ -56,12 +57,14 @@ class ScheduledChunk:
 
     ``start`` is the number of the request's tokens whose KV is already in its blocks (its
     ``num_computed``); ``block_ids`` is its whole block table, which must cover
-    ``start + len(token_ids)`` tokens. A decode is a chunk of one token.
+    ``start + len(token_ids)`` tokens. A decode is a chunk of one token. ``every_row``: the
+    logits of each of its tokens are kept, not only its last one's.
     """
 
     token_ids: Sequence[int]
     start: int
     block_ids: Sequence[int]
+    every_row: bool = False
 
 
 class ModelRunner:
@@ -175,10 +178,17 @@ class ModelRunner:
             return to_device(values, self.device, dtype)
 
         cu = packed.cu
+        keep = [end - 1 for end in cu[1:]]  # each chunk's last row
+        if any(chunk.every_row for chunk in batch):
+            keep = [
+                row
+                for chunk, start, end in zip(batch, cu, cu[1:], strict=False)
+                for row in (range(start, end) if chunk.every_row else (end - 1,))
+            ]
         inputs = {
             "input_ids": tensor([packed.ids], torch.int64),  # [1, T]
             "position_ids": tensor([packed.positions], torch.int64),  # [1, T]
-            "logits_to_keep": tensor(cu[1:], torch.int64) - 1,  # [B] last row of each request
+            "logits_to_keep": tensor(keep, torch.int64),  # [K] the rows whose logits are kept
         }
         max_query_len = max(b - a for a, b in itertools.pairwise(cu))
         paged = PagedBatch(
@@ -195,8 +205,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: Sequence[ScheduledChunk], feed: Feed | None = None) -> torch.Tensor:
-        """Writes the KV of every scheduled token into the pool; returns logits [B, vocab] of
-        each request's last scheduled token (fp32), in batch order. ``feed``: chunks whose
+        """Writes the KV of every scheduled token into the pool; returns logits [K, vocab] (fp32)
+        of each request's last scheduled token (of each of its tokens if ``every_row``), in
+        batch order (K = B without ``every_row`` chunks). ``feed``: chunks whose
         token is taken from the device (their host token id is a placeholder). Enqueues the
         work; waits for the device only where an eager model does."""
         graphs = self.graphs

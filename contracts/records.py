@@ -9,9 +9,10 @@ from typing import Literal
 
 import msgspec
 
-RECORD_VERSION = 3  # 2: RequestRecord without arrival_time and priority, OutputRecord without
+RECORD_VERSION = 4  # 2: RequestRecord without arrival_time and priority, OutputRecord without
 # logprobs, with offset; RequestRecord.gateway. 3: SamplingParams' penalties, logit_bias,
-# min_tokens and logprobs; OutputRecord.logprobs
+# min_tokens and logprobs; OutputRecord.logprobs. 4: prompt logprobs (SamplingParams,
+# OutputRecord)
 
 
 class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -26,7 +27,9 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     applied by ``compute.penalties`` (sampled rows only: beam search takes none of them).
     ``logprobs``: with each sampled token, its log-probability and the ``logprobs`` most likely
     tokens' (0-20), from the model's distribution before penalties and temperature (vLLM's
-    default, ``raw_logprobs``); None: none.
+    default, ``raw_logprobs``); None: none. ``prompt_logprobs``: the same for every prompt
+    token after the first (0-20 top tokens), computed in the prefill; such a request reuses no
+    cached prefix (the hit part would have no logits: it is computed again).
     """
 
     max_tokens: int = 16
@@ -46,6 +49,7 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     logit_bias: dict[int, float] = {}
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def validate(self) -> None:
         """Raises ValueError naming the first field out of range."""
@@ -66,6 +70,11 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
             (self.beam_width == 1 or not self.uses_processors(), "beam search takes no penalties"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
             (self.beam_width == 1 or self.logprobs is None, "beam search gives no logprobs"),
+            (
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+                "prompt_logprobs must be in [0, 20]",
+            ),
+            (self.beam_width == 1 or self.prompt_logprobs is None, "beam search: no logprobs"),
         ]
         for ok, message in checks:
             if not ok:
@@ -126,6 +135,8 @@ class OutputRecord(
     released it (a stop string and an incomplete UTF-8 character are never in it; the held-back
     characters come with a later record): clients stream ``text``, not a decode of the tokens.
     ``logprobs``: one per token of ``token_ids`` when the request asked for them.
+    ``prompt_logprobs``: one per prompt token (None for the first, which nothing predicts), on
+    the request's first record that carries tokens, when the request asked for them.
     ``offset``: how many tokens of this sequence came before this record's. A worker that
     rebuilds a request after a Redis restart lost the stream's last entries publishes those
     tokens again, with the same offsets and text: a reader skips what it already has.
@@ -142,6 +153,7 @@ class OutputRecord(
     text: str = ""
     offset: int = 0
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class StreamedSequence(msgspec.Struct):

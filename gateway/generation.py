@@ -36,7 +36,7 @@ import redis.asyncio
 from contracts import queue_gateway
 from contracts.records import OutputRecord, RequestRecord
 from gateway.errors import APIError
-from gateway.logprobs import Logprob
+from gateway.logprobs import Logprob, PromptLogprob
 from gateway.metrics import Metrics
 from gateway.prepare import ModelInfo, Prepared
 from gateway.router import OutputRouter
@@ -62,6 +62,7 @@ class Delta:
     text: str
     finish_reason: str | None = None
     logprobs: list[Logprob] | None = None
+    prompt_logprobs: list[PromptLogprob] | None = None  # on a choice's first delta, if asked
 
 
 @dataclass
@@ -70,6 +71,7 @@ class _Sequence:
     tokens: int = 0
     finish_reason: str | None = None
     last_at: float | None = None
+    started: bool = False  # a delta went out
 
 
 @dataclass
@@ -79,6 +81,7 @@ class _Prompt:
     sequences: list[_Sequence]
     cached_tokens: int = 0
     final: bool = False  # the worker sent the final record
+    prompt_logprobs: list[PromptLogprob] | None = None  # from the first record, if asked
 
 
 @dataclass
@@ -237,19 +240,25 @@ class Generation:
         if record.finish_reason == "error":
             message = f"generation failed: {record.error or 'the worker failed the request'}"
             raise GenerationError(APIError(500, message, code="worker_error"))
+        if record.prompt_logprobs is not None:
+            prompt.prompt_logprobs = list(
+                zip(prompt.token_ids, record.prompt_logprobs, strict=True)
+            )
         deltas = []
         if 0 <= record.index < len(prompt.sequences):
             seq = prompt.sequences[record.index]
             if record.token_ids and record.offset < seq.tokens:  # had it before a restart
                 return []
-            if record.token_ids:
+            score_only = self.request.score_only  # the drawn token is not the client's
+            if record.token_ids and not score_only:
                 self._observe(seq, len(record.token_ids))
-            logprobs = None
-            if record.logprobs is not None:
+            text, logprobs = ("" if score_only else record.text), None
+            if record.logprobs is not None and not score_only:
                 logprobs = list(zip(record.token_ids, record.logprobs, strict=True))
-            if seq.finish_reason is None and (record.text or record.finish_reason or logprobs):
-                seq.finish_reason = record.finish_reason
-                deltas.append(Delta(seq.index, record.text, record.finish_reason, logprobs))
+            first = None if seq.started else prompt.prompt_logprobs
+            if seq.finish_reason is None and (text or record.finish_reason or logprobs or first):
+                seq.finish_reason, seq.started = record.finish_reason, True
+                deltas.append(Delta(seq.index, text, record.finish_reason, logprobs, first))
         if record.final:
             deltas += self._end_all(prompt, record)
         return deltas

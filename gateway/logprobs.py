@@ -1,10 +1,11 @@
-"""The OpenAI shapes of sampled tokens' log-probabilities, from the workers' ``TokenLogprob``s.
+"""The OpenAI shapes of tokens' log-probabilities, from the workers' ``TokenLogprob``s.
 
 Completions (legacy): ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}``, one
-entry per token, ``top_logprobs`` a dict of token text -> logprob per token. Chat: ``{"content":
-[{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}], "refusal":
-None}``. A token's text is its own decode (``decode([id])``): a token that is part of a UTF-8
-character decodes to U+FFFD, and its ``bytes`` say so, as vLLM's do.
+entry per token, ``top_logprobs`` a dict of token text -> logprob per token; with ``echo`` the
+prompt's tokens come first, the first of them with ``null``s (nothing predicts it). Chat:
+``{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}],
+"refusal": None}``. A token's text is its own decode (``decode([id])``): a token that is part of
+a UTF-8 character decodes to U+FFFD, and its ``bytes`` say so, as vLLM's do.
 """
 
 from __future__ import annotations
@@ -14,14 +15,15 @@ from typing import Any
 
 from contracts.records import TokenLogprob
 
-__all__ = ["Decode", "Logprob", "chat_logprobs", "completion_logprobs"]
+__all__ = ["Decode", "Logprob", "PromptLogprob", "chat_logprobs", "completion_logprobs"]
 
 Logprob = tuple[int, TokenLogprob]  # a sampled token id and its logprobs
+PromptLogprob = tuple[int, TokenLogprob | None]  # a prompt token: None for the first
 Decode = Callable[[Sequence[int]], str]
 
 
 def completion_logprobs(
-    entries: Sequence[Logprob], decode: Decode, offset: int
+    entries: Sequence[PromptLogprob], decode: Decode, offset: int
 ) -> tuple[dict[str, Any], int]:
     """The ``logprobs`` object of a completion choice (or of one streamed chunk) whose first
     token starts at character ``offset`` of the choice's text; and the offset after them."""
@@ -31,10 +33,10 @@ def completion_logprobs(
         tokens.append(text)
         offsets.append(offset)
         offset += len(text)
-    top = [{decode([t]): v for t, v in entry.top} for _, entry in entries]
+    top = [None if e is None else {decode([t]): v for t, v in e.top} for _, e in entries]
     body = {
         "tokens": tokens,
-        "token_logprobs": [entry.logprob for _, entry in entries],
+        "token_logprobs": [None if e is None else e.logprob for _, e in entries],
         "top_logprobs": top,
         "text_offset": offsets,
     }

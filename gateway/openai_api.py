@@ -29,7 +29,13 @@ from aiohttp import web
 
 from gateway.errors import APIError
 from gateway.generation import Delta, Generation, GenerationError
-from gateway.logprobs import Decode, Logprob, chat_logprobs, completion_logprobs
+from gateway.logprobs import (
+    Decode,
+    Logprob,
+    PromptLogprob,
+    chat_logprobs,
+    completion_logprobs,
+)
 from gateway.prepare import Prepared, prepare_chat, prepare_completion
 from gateway.schemas import ChatRequest, CompletionRequest, decode_body
 from gateway.state import STATE, AppState
@@ -146,13 +152,13 @@ async def _complete(gen: Generation, fmt: _Format) -> web.Response:
         for i in range(n):
             texts[i].append(gen.request.echo_texts[i // gen.request.params.n])
     finish: list[str | None] = [None] * n
-    logprobs: list[list[Logprob]] = [[] for _ in range(n)]
+    logprobs: list[list[PromptLogprob]] = [[] for _ in range(n)]
     try:
         async for deltas in gen.deltas():
             for delta in deltas:
                 texts[delta.index].append(delta.text)
                 finish[delta.index] = delta.finish_reason or finish[delta.index]
-                logprobs[delta.index] += delta.logprobs or []
+                logprobs[delta.index] += [*(delta.prompt_logprobs or []), *(delta.logprobs or [])]
     except GenerationError as err:
         raise err.error from err
     choices = [fmt.choice(i, "".join(texts[i]), finish[i]) for i in range(n)]
@@ -185,7 +191,8 @@ async def _stream(request: web.Request, gen: Generation, fmt: _Format) -> web.St
                 if not deltas:
                     await response.write(KEEPALIVE)
                     continue
-                await response.write(b"".join(event([fmt.chunk(d)]) for d in deltas))
+                chunks = [fmt.chunk(d, _echo(gen.request, d)) for d in deltas]
+                await response.write(b"".join(event([c]) for c in chunks))
         except GenerationError as err:
             await response.write(b"data: " + _encode(err.error.body()) + b"\n\n")
         if include_usage:
@@ -199,6 +206,14 @@ async def _stream(request: web.Request, gen: Generation, fmt: _Format) -> web.St
     return response
 
 
+def _echo(request: Prepared, delta: Delta) -> str:
+    """The prompt text a streamed completion choice's first delta carries when it carries the
+    prompt's logprobs (else the choice's opening chunk carried it)."""
+    if delta.prompt_logprobs is None or request.echo_texts is None:
+        return ""
+    return request.echo_texts[delta.index // request.params.n]
+
+
 class _Format:
     """The shapes of one endpoint's responses."""
 
@@ -208,10 +223,10 @@ class _Format:
         self.decode = decode  # one token's text, for logprobs
         self._offsets: dict[int, int] = {}  # completions: each choice's text so far, in chars
 
-    def logprobs(self, index: int, entries: list[Logprob]) -> dict[str, Any]:
+    def logprobs(self, index: int, entries: list[PromptLogprob]) -> dict[str, Any]:
         """Choice ``index``'s logprobs object for these tokens (the next ones of its text)."""
         if self.chat:
-            return chat_logprobs(entries, self.decode)
+            return chat_logprobs(_sampled(entries), self.decode)
         body, self._offsets[index] = completion_logprobs(
             entries, self.decode, self._offsets.get(index, 0)
         )
@@ -242,12 +257,14 @@ class _Format:
             return {"index": index, "message": message, "logprobs": None, "finish_reason": finish}
         return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
 
-    def chunk(self, delta: Delta) -> dict[str, Any]:
+    def chunk(self, delta: Delta, echo: str = "") -> dict[str, Any]:
+        """A streamed delta's choice; ``echo``: prompt text to put before its text."""
         logprobs = None
-        if delta.logprobs is not None:
-            logprobs = self.logprobs(delta.index, delta.logprobs)
+        if delta.logprobs is not None or delta.prompt_logprobs is not None:
+            entries = [*(delta.prompt_logprobs or []), *(delta.logprobs or [])]
+            logprobs = self.logprobs(delta.index, entries)
         if not self.chat:
-            return self.choice(delta.index, delta.text, delta.finish_reason) | {
+            return self.choice(delta.index, echo + delta.text, delta.finish_reason) | {
                 "logprobs": logprobs
             }
         content = {"content": delta.text} if delta.text or not delta.finish_reason else {}
@@ -263,7 +280,12 @@ class _Format:
         if self.chat:
             delta = {"role": "assistant", "content": ""}
             return {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
-        if request.echo_texts is not None:
+        if request.echo_texts is not None and request.params.prompt_logprobs is None:
             text = request.echo_texts[index // request.params.n]
             return self.choice(index, text, None)
-        return None
+        return None  # with the prompt's logprobs, the echo comes with them (``_echo``)
+
+
+def _sampled(entries: list[PromptLogprob]) -> list[Logprob]:
+    """Chat entries: sampled tokens only, each with its logprobs."""
+    return [(token, entry) for token, entry in entries if entry is not None]

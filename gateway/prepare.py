@@ -19,6 +19,7 @@ one (``tiny``), the plain template is: each message as ``"{role}: {content}\\n"`
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Sequence
@@ -87,6 +88,9 @@ class Prepared:
     salt: bytes | None
     echo_texts: list[str] | None = None  # completions with echo: the prompts' text
     tokens_as_ids: bool = False  # logprobs name tokens "token_id:<id>" (vLLM's extension)
+    # completions with echo and max_tokens 0: the prompt only (its logprobs: scoring); the
+    # workers draw one token (params.max_tokens is 1), which the response leaves out
+    score_only: bool = False
 
 
 def prepare_completion(
@@ -95,21 +99,21 @@ def prepare_completion(
     if req.suffix is not None:
         raise bad_request("suffix is not supported", "suffix", "unsupported_parameter")
     logprobs = None if req.logprobs is None else _in_range(req.logprobs, 0, "logprobs", 0, 20)
-    if logprobs is not None and req.echo:
-        raise bad_request(
-            "echo with logprobs (the prompt's logprobs) is not supported yet",
-            "echo",
-            "unsupported_parameter",
-        )
     prompts, texts = _completion_prompts(req.prompt, model)
     echo_texts = None
     if req.echo:
         pairs = zip(texts, prompts, strict=True)
         echo_texts = [t if t is not None else _decode(model, p) for t, p in pairs]
+    score_only = bool(req.echo) and req.max_tokens == 0
+    requested = 1 if score_only else req.max_tokens
     longest = max(len(p) for p in prompts)
     limits = Limits(model, capacity, beam_width_of(req))
-    max_tokens = limits.max_tokens(req.max_tokens, "max_tokens", longest, "prompt")
-    return _prepared(req, prompts, max_tokens, model, max_n, echo_texts, logprobs)
+    max_tokens = limits.max_tokens(requested, "max_tokens", longest, "prompt")
+    prompt_logprobs = logprobs if req.echo else None  # echoed: its logprobs come too
+    prepared = _prepared(
+        req, prompts, max_tokens, model, max_n, echo_texts, logprobs, prompt_logprobs
+    )
+    return dataclasses.replace(prepared, score_only=score_only)
 
 
 def prepare_chat(
@@ -240,6 +244,7 @@ def _prepared(
     max_n: int,
     echo_texts: list[str] | None,
     logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
 ) -> Prepared:
     n = _in_range(req.n, 1, "n", 1, max_n)
     temperature = _finite(req.temperature, 1.0, "temperature", low=0.0)
@@ -291,6 +296,7 @@ def _prepared(
         length_penalty=_finite(req.length_penalty, 1.0, "length_penalty"),
         **penalties,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
     )
     try:
         params.validate()

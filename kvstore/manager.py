@@ -18,7 +18,7 @@ from __future__ import annotations
 from kvstore.block_pool import BlockPool, NoFreeBlocks, SwapSpace
 from kvstore.cost_model import DecisionLog, Mode, SwapCalibration, choose
 from kvstore.integrity import check_integrity
-from kvstore.prefix_index import PrefixIndex, content_hash, index_key
+from kvstore.prefix_index import LookupResult, PrefixIndex, content_hash, index_key
 from kvstore.requests import (
     Growth,
     KVError,
@@ -48,25 +48,33 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ admission
     def admit(
-        self, req_id: str, worker: str, token_ids: list[int], salt: bytes | None
+        self,
+        req_id: str,
+        worker: str,
+        token_ids: list[int],
+        salt: bytes | None,
+        reuse_prefix: bool = True,
     ) -> Placement:
-        """New request: reuse its longest cached prefix, allocate blocks for every other token."""
+        """New request: reuse its longest cached prefix (unless ``reuse_prefix`` is False, for
+        this placement and any after a preemption), allocate blocks for every other token."""
         if req_id in self.requests:
             raise KVError("duplicate_request", f"request {req_id!r} already exists")
         if not token_ids:
             raise KVError("bad_argument", "a request needs at least one token")
-        request = Request(req_id, worker, salt, list(token_ids))
+        request = Request(req_id, worker, salt, list(token_ids), reuse_prefix=reuse_prefix)
         self._extend_hashes(request)
         placement = self._place(request, record=True)
         self.requests[req_id] = request
         return placement
 
     def adopt(
-        self, req_id: str, worker: str, token_ids: list[int]
+        self, req_id: str, worker: str, token_ids: list[int], reuse_prefix: bool = True
     ) -> tuple[Placement, TransferPlan]:
         """A worker takes over an orphaned request (its worker died). The stored tokens are cut
         to their longest common prefix with ``token_ids`` (what the new worker read back from the
-        output stream); the worker appends the rest. A preempted request is resumed."""
+        output stream); the worker appends the rest. A preempted request is resumed. With
+        ``reuse_prefix`` False the worker needs every token's logits: what the request computed
+        is dropped, and it is placed again without a prefix lookup."""
         request = self._get(req_id)
         if request.orphaned_at is None and request.worker != worker:
             raise KVError("conflict", f"request {req_id!r} is held by live worker {request.worker}")
@@ -88,6 +96,12 @@ class KVCacheManager:
         if reopens_in_a_fresh_block and self.pool.num_available < 1:  # check before changing
             raise KVError("no_space", f"no block to reopen the last token of {req_id!r}")
         request.worker, request.orphaned_at = worker, None
+        if not reuse_prefix:
+            self.pool.release(request.block_ids)
+            self.swap.release(request.cpu_block_ids)
+            request.block_ids, request.cpu_block_ids = [], []
+            request.num_computed = request.num_registered = 0
+            request.status, request.reuse_prefix = Status.DROPPED, False
         self._truncate(request, common)
         if request.status is not Status.RUNNING:
             return self._resume_one(request)
@@ -114,7 +128,9 @@ class KVCacheManager:
                 f"at most {self.admission_limit_blocks} ({self.pool.num_blocks} in the pool, "
                 f"{self.watermark_blocks} kept free)",
             )
-        hit = self.index.lookup(request.keys, request.contents, len(request.token_ids), record)
+        hit = LookupResult([], "no_entry")  # uncounted: the request asked for no reuse
+        if request.reuse_prefix:
+            hit = self.index.lookup(request.keys, request.contents, len(request.token_ids), record)
         needed = cdiv(len(request.token_ids), self.block_size) - len(hit.blocks)
         evictable_hits = sum(1 for b in hit.blocks if self.pool.ref_counts[b] == 0)
         available = self.pool.num_available - evictable_hits - self.watermark_blocks

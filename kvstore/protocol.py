@@ -13,11 +13,12 @@ from typing import Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 2  # 2: Call.token; the wire's codes and kinds are closed sets (Literal)
+PROTOCOL_VERSION = 3  # 2: Call.token; the wire's codes and kinds are closed sets (Literal).
+# 3: AdmitItem.reuse_prefix, Step.finals
 
 PoolKind = Literal["shm", "cuda_ipc"]
 ErrorCode = Literal["bad_message", "version", "unauthorized", "unknown_worker", "internal"]
-ItemOp = Literal["cost", "fork", "free", "preempt", "append", "resume", "admit"]
+ItemOp = Literal["cost", "fork", "final", "free", "preempt", "append", "resume", "admit"]
 ItemCode = Literal[
     "no_space",  # not now: the request waits (for an append, the worker preempts)
     "too_large",  # never: more blocks than the pool can give one request
@@ -90,12 +91,15 @@ class Unregister(_Msg):
 
 
 class AdmitItem(_Item):
-    """A new request, or with ``adopt`` one whose worker died (``token_ids``: what it streamed)."""
+    """A new request, or with ``adopt`` one whose worker died (``token_ids``: what it streamed).
+    ``reuse_prefix`` False: no cached prefix is looked up, and an adopted request drops what it
+    computed (the worker computes every token; the blocks still join the prefix index)."""
 
     req_id: str
     token_ids: list[int]
     salt: bytes | None = None
     adopt: bool = False
+    reuse_prefix: bool = True
 
 
 class AppendItem(_Item):
@@ -130,14 +134,17 @@ class CostReport(_Item):
 
 
 class Step(_Msg):
-    """One engine step's KV work, applied in this order: costs, forks, frees, preempts, appends,
-    tokens, resumes, admits. Forks allocate nothing, so they come first: a sequence may be forked
-    and freed in the same step (a branch that ends on its first token, or a parent that ends while
-    its children go on). Running requests grow before preempted ones resume, and those come back
-    before new ones are admitted. Each item succeeds or fails alone (``StepReply.errors``), except
-    that placements (resumes, then admits) are first come, first served: once one is refused for
-    lack of space, the later ones are refused too (``no_space``), so a large request at the head is
-    never starved by smaller ones behind it."""
+    """One engine step's KV work, applied in this order: costs, forks, finals, frees, preempts,
+    appends, tokens, resumes, admits. Forks allocate nothing, so they come first: a sequence may be
+    forked and freed in the same step (a branch that ends on its first token, or a parent that ends
+    while its children go on). ``finals``: the last progress of sequences that ended (no tokens,
+    only ``num_computed``), so that blocks they computed but never reported (a request that ends
+    on the token its prompt's last chunk drew) join the prefix index before they are freed.
+    Running requests grow before preempted ones resume, and those come back before new ones are
+    admitted. Each item succeeds or fails alone (``StepReply.errors``), except that placements
+    (resumes, then admits) are first come, first served: once one is refused for lack of space,
+    the later ones are refused too (``no_space``), so a large request at the head is never
+    starved by smaller ones behind it."""
 
     worker_id: str
     frees: list[str] = []
@@ -148,6 +155,7 @@ class Step(_Msg):
     appends: list[AppendItem] = []
     costs: list[CostReport] = []
     tokens: TokenBatch | None = None
+    finals: list[AppendItem] = []
 
 
 class GetStats(_Msg):

@@ -44,6 +44,7 @@ class Request:
     preemptions: int = 0
     decision_id: int | None = None
     orphaned_at: float | None = None
+    reuse_prefix: bool = True  # False: placed without a prefix lookup (prompt logprobs)
 
 
 class Placement(NamedTuple):

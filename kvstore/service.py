@@ -121,6 +121,9 @@ class KVService:
         for fork in body.forks:  # before frees: a child may end, or its parent, in this step
             for child in fork.child_ids:
                 self._each(reply, "fork", child, self._fork, fork.parent_id, child, worker, reply)
+        for item in body.finals:  # computed blocks join the index before they are freed
+            args = (item.req_id, worker, item.token_ids, item.num_computed)
+            self._each(reply, "final", item.req_id, m.append, *args)
         for req_id in body.frees:
             self._each(reply, "free", req_id, m.free, req_id, worker)
         for req_id in body.preempts:
@@ -181,10 +184,14 @@ class KVService:
 
     def _admit(self, item: p.AdmitItem, worker: str, reply: p.StepReply) -> None:
         if item.adopt:
-            placement, plan = self.manager.adopt(item.req_id, worker, item.token_ids)
+            placement, plan = self.manager.adopt(
+                item.req_id, worker, item.token_ids, item.reuse_prefix
+            )
             self._run(plan)
         else:
-            placement = self.manager.admit(item.req_id, worker, item.token_ids, item.salt)
+            placement = self.manager.admit(
+                item.req_id, worker, item.token_ids, item.salt, item.reuse_prefix
+            )
         reply.admitted.append(placed(placement))
 
     def _preempt(self, req_id: str, worker: str, now: float, reply: p.StepReply) -> None:

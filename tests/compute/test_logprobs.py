@@ -58,3 +58,59 @@ def test_engine_logprobs_equal_log_softmax(redis_url: str, family: str, tmp_path
             assert all(
                 abs(v - float(w)) < 1e-4 for (_, v), w in zip(got.top, top.values, strict=True)
             )
+
+
+def _prompt_truth(truth: torch.nn.Module, prompt: list[int]) -> torch.Tensor:
+    """log_softmax of transformers' forward over the prompt: row i predicts token i + 1."""
+    with torch.inference_mode():
+        return torch.log_softmax(truth(torch.tensor([prompt])).logits[0].float(), dim=-1)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_engine_prompt_logprobs_equal_log_softmax_across_prefill_chunks(
+    redis_url: str, family: str, tmp_path: Path
+) -> None:
+    """Prompts longer than the step's token budget (64) are computed in chunks; each chunk's
+    rows give the logprobs of the prompt tokens they predict. Requests that ask for none share
+    the steps."""
+    paged_model(tiny_family_config(family), seed=22).save_pretrained(tmp_path)
+    byte_tokenizer().save_pretrained(tmp_path)
+    model, tokenizer = load_model(str(tmp_path), "float32", "cpu")
+    truth = reference_model(model)
+    prompts = prompts_of([150, 9, 70, 1], seed=9)
+    asked = {"req0": 5, "req1": 0, "req3": 2}  # req2 asks for none; req3's prompt is one token
+    params = {
+        rid: SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=k)
+        for rid, k in asked.items()
+    }
+    params["req0"] = SamplingParams(
+        max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=5, n=2
+    )
+    served = run_engine(
+        redis_url, [], prompts, 4, (model, tokenizer, truth), params=params, kv_model=str(tmp_path)
+    )
+    r = redis.Redis.from_url(redis_url)
+    for rid, prompt in prompts.items():
+        entries = r.xrange(queue_keys.output_key(rid))
+        assert entries is not None
+        records = [entry_record(e) for e in entries]
+        carrying = [rec for rec in records if rec.prompt_logprobs is not None]
+        if rid not in asked:
+            assert carrying == []
+            continue
+        [record] = carrying  # one record carries them: the first with tokens, of choice 0
+        assert record is next(rec for rec in records if rec.token_ids) and record.index == 0
+        got = record.prompt_logprobs
+        assert got is not None and len(got) == len(prompt) and got[0] is None
+        want = _prompt_truth(truth, prompt)
+        for position in range(1, len(prompt)):
+            entry = got[position]
+            assert entry is not None, (rid, position)
+            expected = float(want[position - 1, prompt[position]])
+            assert abs(entry.logprob - expected) < 1e-4, (rid, position)
+            top = want[position - 1].topk(asked[rid])
+            assert [t for t, _ in entry.top] == top.indices.tolist(), (rid, position)
+            assert all(
+                abs(v - float(w)) < 1e-4 for (_, v), w in zip(entry.top, top.values, strict=True)
+            )
+        assert served.cached[rid] == 0

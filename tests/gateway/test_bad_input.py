@@ -124,12 +124,19 @@ CASES: dict[str, tuple[str, bytes | dict[str, Any], int, str | None, str | None]
         "request_too_large",
     ),
     "empty_prompt_list": (COMPLETIONS, ok_completion(prompt=[]), 400, "prompt", None),
-    "echo_with_logprobs_not_built": (
+    "echo_logprobs_above_20": (
         COMPLETIONS,
-        ok_completion(logprobs=2, echo=True),
+        ok_completion(logprobs=21, echo=True),
         400,
-        "echo",
-        "unsupported_parameter",
+        "logprobs",
+        None,
+    ),
+    "max_tokens_negative_with_echo": (
+        COMPLETIONS,
+        ok_completion(max_tokens=-1, echo=True),
+        400,
+        "max_tokens",
+        None,
     ),
     "logprobs_above_20": (COMPLETIONS, ok_completion(logprobs=21), 400, "logprobs", None),
     "top_logprobs_without_logprobs": (CHAT, ok_chat(top_logprobs=2), 400, "top_logprobs", None),

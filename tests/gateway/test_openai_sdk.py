@@ -311,6 +311,68 @@ def test_completion_logprobs_equal_log_softmax_streamed_or_not(
     assert joined == logprobs.token_logprobs
 
 
+def test_echo_logprobs_score_the_prompt_after_a_prefix_cache_hit(
+    client: openai.OpenAI, truth: torch.nn.Module
+) -> None:
+    """Evaluation harnesses' request: ``echo``, ``max_tokens: 0``, ``logprobs``. Each prompt
+    token after the first gets log_softmax of transformers' forward at the position before it,
+    although the prompt's first blocks are in the prefix cache (the request computes them
+    again: ``cached_tokens`` 0). With output tokens, streamed or not, the prompt's entries come
+    first."""
+    prompt = [33 + (i * 7) % 90 for i in range(40)]  # printable ASCII: one character a token
+    tokenizer = load_model("tiny", "float32", "cpu")[1]
+    for _ in range(2):  # the second finds the first's two full blocks cached (the first ends
+        # on the token its prompt drew: its blocks join the index through ``Step.finals``)
+        warm = client.completions.create(model="tiny", prompt=prompt, max_tokens=1)
+    assert warm.usage and warm.usage.prompt_tokens_details
+    assert warm.usage.prompt_tokens_details.cached_tokens == 32
+    scored = client.completions.create(
+        model="tiny",
+        prompt=prompt,
+        max_tokens=0,
+        echo=True,
+        logprobs=3,
+        temperature=0,
+        extra_body={"return_tokens_as_token_ids": True},  # top tokens that are no character
+    )
+    [choice] = scored.choices
+    logprobs = choice.logprobs
+    assert choice.text == tokenizer.decode(prompt) and choice.finish_reason == "length"
+    assert scored.usage and scored.usage.completion_tokens == 0
+    assert scored.usage.prompt_tokens_details
+    assert scored.usage.prompt_tokens_details.cached_tokens == 0
+    assert logprobs and logprobs.token_logprobs and logprobs.top_logprobs and logprobs.tokens
+    assert logprobs.tokens == [f"token_id:{t}" for t in prompt]
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    lengths = [len(t) for t in logprobs.tokens]
+    assert logprobs.text_offset == [sum(lengths[:i]) for i in range(40)]
+    with torch.inference_mode():
+        want = torch.log_softmax(truth(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    for i in range(1, len(prompt)):
+        assert abs(logprobs.token_logprobs[i] - float(want[i - 1, prompt[i]])) < 1e-4, i
+        ranked = want[i - 1].topk(3)
+        assert list(logprobs.top_logprobs[i]) == [f"token_id:{t}" for t in ranked.indices]
+        values = logprobs.top_logprobs[i].values()
+        assert all(abs(v - float(w)) < 1e-4 for v, w in zip(values, ranked.values, strict=True))
+    kwargs: dict[str, Any] = dict(
+        model="tiny", prompt=prompt, max_tokens=4, echo=True, logprobs=1, temperature=0
+    )
+    done = client.completions.create(**kwargs)
+    [choice] = done.choices
+    assert choice.logprobs and choice.logprobs.token_logprobs and choice.logprobs.tokens
+    assert choice.logprobs.token_logprobs[:40] == logprobs.token_logprobs
+    assert len(choice.logprobs.tokens) == 44 and choice.text.startswith(scored.choices[0].text)
+    chunks = list(client.completions.create(stream=True, **kwargs))
+    assert "".join(c.choices[0].text for c in chunks) == choice.text
+    joined = [
+        x
+        for c in chunks
+        if c.choices[0].logprobs
+        for x in c.choices[0].logprobs.token_logprobs or []
+    ]
+    assert joined == choice.logprobs.token_logprobs
+
+
 def test_chat_logprobs_and_top_logprobs(client: openai.OpenAI, truth: torch.nn.Module) -> None:
     out = client.chat.completions.create(
         model="tiny",

@@ -106,6 +106,27 @@ def test_hit_is_capped_so_the_last_token_is_computed() -> None:
     m.check_integrity()
 
 
+def test_a_request_that_reuses_no_prefix_computes_every_token_and_still_registers() -> None:
+    m = manager(10)
+    m.admit("a", "w", list(range(40)), None)
+    m.append("a", "w", [], 40)
+    lookups = m.index.lookups
+    placement = m.admit("b", "w", list(range(40)), None, reuse_prefix=False)
+    assert (placement.num_computed, placement.num_cached_tokens) == (0, 0)
+    assert placement.block_ids == [3, 4, 5]  # fresh blocks, not a's 0 and 1
+    assert m.index.lookups == lookups  # no lookup counted: none was asked for
+    m.append("b", "w", [], 40)  # its blocks duplicate a's: they stay unregistered
+    assert len(m.index) == 2
+    assert m.preempt(["b"], "w", 0.0)[0] == ["recompute"]  # no CPU tier: dropped
+    placement, _ = m.resume("b", "w")
+    assert placement.num_computed == 0  # placed again without the cached prefix
+    m.check_integrity()
+    m.free("a", "w")
+    c = m.admit("c", "w", list(range(40)), None)
+    assert c.num_cached_tokens == 32  # a's registered blocks serve later requests
+    m.check_integrity()
+
+
 def test_fork_copies_a_shared_partial_block_exactly_when_written() -> None:
     m = manager(20)
     m.admit("p", "w", list(range(40)), None)  # blocks 0, 1, 2 (2 is partial: 8 tokens)
@@ -226,6 +247,21 @@ def test_orphans_adopted_or_reclaimed_after_grace() -> None:
     assert m.reclaim_orphans(now=20.0, grace_s=30.0) == []
     assert m.reclaim_orphans(now=40.0, grace_s=30.0) == ["b"]
     assert "b" not in m.requests and m.pool.num_used == 2
+    m.check_integrity()
+
+
+def test_an_orphan_adopted_without_reuse_is_computed_again_in_fresh_blocks() -> None:
+    """A request that wants its prompt's logprobs, orphaned mid-prefill: the new worker needs
+    the logits of the part already computed, so it starts over (and never reads a cached
+    prefix)."""
+    m = manager(10)
+    m.admit("a", "w1", list(range(40)), None, reuse_prefix=False)
+    m.append("a", "w1", [], 32)  # two blocks computed (and registered) before w1 died
+    assert m.orphan_worker("w1", now=1.0) == ["a"]
+    placement, plan = m.adopt("a", "w2", list(range(40)), reuse_prefix=False)
+    assert (placement.num_computed, placement.num_cached_tokens) == (0, 0)
+    assert placement.block_ids == [3, 4, 5] and not plan.swap_in  # 0, 1 stay cached
+    assert m.requests["a"].worker == "w2" and m.pool.num_used == 3
     m.check_integrity()
 
 

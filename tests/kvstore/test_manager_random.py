@@ -72,17 +72,21 @@ class KVMachine(RuleBasedStateMachine):
 
     # -------------------------------------------------------------- rules
     @rule(
-        tokens=tokens_st, salt=st.sampled_from([None, b"s"]), worker=st.sampled_from(["w1", "w2"])
+        tokens=tokens_st,
+        salt=st.sampled_from([None, b"s"]),
+        worker=st.sampled_from(["w1", "w2"]),
+        reuse=st.booleans(),
     )
-    def admit(self, tokens: list[int], salt: bytes | None, worker: str) -> None:
+    def admit(self, tokens: list[int], salt: bytes | None, worker: str, reuse: bool) -> None:
         req_id = self._new_id()
         before = self.m.pool.num_available
         try:
-            placement = self.m.admit(req_id, worker, tokens, salt)
+            placement = self.m.admit(req_id, worker, tokens, salt, reuse_prefix=reuse)
         except KVError as err:
             assert err.code == "no_space" and self.m.pool.num_available == before
             return
         assert placement.num_computed % BS == 0 and placement.num_computed < len(tokens)
+        assert reuse or placement.num_computed == 0
         self._placed(req_id, placement.block_ids, placement.num_computed)
 
     def _append(self, req_id: str, new: list[int]) -> bool:
@@ -207,8 +211,8 @@ class KVMachine(RuleBasedStateMachine):
         self.written[req_id] = placement.num_computed
 
     @precondition(lambda self: self.m.requests)
-    @rule(data=st.data(), keep=st.integers(0, 6))
-    def worker_dies_and_another_adopts(self, data: st.DataObject, keep: int) -> None:
+    @rule(data=st.data(), keep=st.integers(0, 6), reuse=st.booleans())
+    def worker_dies_and_another_adopts(self, data: st.DataObject, keep: int, reuse: bool) -> None:
         req_id = data.draw(st.sampled_from(sorted(self.m.requests)))
         r = self.m.requests[req_id]
         dead, heir = r.worker, "w2" if r.worker == "w1" else "w1"
@@ -216,10 +220,13 @@ class KVMachine(RuleBasedStateMachine):
         self.m.orphan_worker(dead, self.now)
         streamed = r.token_ids[: max(1, len(r.token_ids) - keep)]
         try:
-            placement, plan = self.m.adopt(req_id, heir, streamed)
+            placement, plan = self.m.adopt(req_id, heir, streamed, reuse_prefix=reuse)
         except KVError as err:
             assert err.code == "no_space"
         else:
+            if not reuse:  # it starts over, in fresh blocks
+                assert placement.num_computed == 0
+                self._placed(req_id, placement.block_ids, 0)
             self._run(plan)
             self.written[req_id] = placement.num_computed
         for other in self.m.orphan_worker(dead, self.now):  # the rest are adopted as they are

@@ -34,6 +34,7 @@ SAMPLES: list[msgspec.Struct] = [
         [p.AppendItem("g", [2], 1)],
         [p.CostReport("h", 1.5)],
         p.TokenBatch(["i"], [3], [4]),
+        [p.AppendItem("j", [], 5)],
     ),
     p.GetStats(3),
     p.ResetCache(),

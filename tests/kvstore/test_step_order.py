@@ -41,6 +41,22 @@ def used(client: KVClient) -> int:
     return stats.gpu.used
 
 
+def test_a_final_registers_the_blocks_of_a_sequence_freed_in_the_same_step(
+    client: KVClient,
+) -> None:
+    """A request that ends on the token its prompt drew never reported its prompt computed:
+    its final progress, applied before the free, puts the prompt's full blocks in the index."""
+    register(client, "w-final")
+    prompt = list(range(500, 540))  # 2 full blocks and a partial one
+    step(client, p.Step("w-final", admits=[p.AdmitItem("done", prompt)]))
+    final = p.AppendItem("done", [], 40)
+    reply = step(client, p.Step("w-final", frees=["done", "gone"], finals=[final]))
+    assert [(e.req_id, e.op) for e in reply.errors] == [("gone", "free")]
+    hit = step(client, p.Step("w-final", admits=[p.AdmitItem("again", prompt)])).admitted
+    assert [(a.req_id, a.num_cached_tokens) for a in hit] == [("again", 32)]
+    step(client, p.Step("w-final", frees=["again"]))
+
+
 def test_a_fork_and_a_free_of_the_same_sequence_in_one_step(client: KVClient) -> None:
     """Forks come before frees: a child forked and freed in one step, and a parent freed in
     the step that forks its children (the children go on, alone on the prompt's blocks)."""
