@@ -11,6 +11,11 @@ token streams as text. Both servers get the same requests (seeded): chat complet
 counts the tokens actually generated. Each server first gets 32 untimed warm-up requests.
 
     python bench/http_serve.py --shape 1b --requests 128 [--out DIR] [--skip-transformers]
+    python bench/http_serve.py --shape 1b --requests 128 --guided-fractions 0,0.5
+
+With ``--guided-fractions``, pagedserve alone serves the same seeded requests once per fraction,
+that share of them asking for JSON of a random JSON Schema (``response_format``), on a checkpoint
+whose byte-level tokenizer can spell JSON (the word-level one cannot).
 """
 
 from __future__ import annotations
@@ -35,8 +40,9 @@ from pagedserve.redis_server import free_port  # noqa: E402
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 
 
-def checkpoint(directory: Path, shape: str) -> Path:
-    """A random-weight bf16 checkpoint with a word-level tokenizer, built once."""
+def checkpoint(directory: Path, shape: str, byte_level: bool = False) -> Path:
+    """A random-weight bf16 checkpoint with a word-level tokenizer (``byte_level``: a byte-level
+    one of the same vocabulary size, ``bench/byte_vocab.py``, which can spell JSON), built once."""
     if (directory / "config.json").exists():
         return directory
     import torch
@@ -49,6 +55,13 @@ def checkpoint(directory: Path, shape: str) -> Path:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(directory)
+    if byte_level:
+        from bench.byte_vocab import byte_level_tokenizer
+
+        tokenizer = byte_level_tokenizer(config.vocab_size)
+        tokenizer.chat_template = CHAT_TEMPLATE
+        tokenizer.save_pretrained(directory)
+        return directory
     vocab = {f"w{i}": i for i in range(config.vocab_size)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -86,21 +99,31 @@ def bench(
     out: Path,
     ignore_eos: bool,
     seed: int = 0,
+    guided: float | None = None,
 ) -> dict[str, Any]:
+    """One run of the client. ``guided``: that fraction of the requests asks for JSON of a
+    random schema; prompts are 16-256 words then (about 100-1500 tokens of the byte-level
+    tokenizer, whose text would not re-encode to the drawn token ids)."""
     command = [sys.executable, "-m", "pagedserve.cli", "bench", "--base-url", url, "--model", model]
-    command += ["--endpoint", "chat", "--tokenizer", str(model_dir), "--seed", str(seed)]
-    command += ["--num-requests", str(requests), "--input-len", "64:1024"]
+    command += ["--endpoint", "chat", "--seed", str(seed), "--num-requests", str(requests)]
+    if guided is None:
+        command += ["--tokenizer", str(model_dir), "--input-len", "64:1024"]
+    else:
+        command += ["--guided-fraction", str(guided), "--input-len", "16:256"]
     command += ["--output-len", "32:512", "--result-json", str(out), "--no-progress"]
     command += ["--ignore-eos" if ignore_eos else "--no-ignore-eos"]
     subprocess.run(command, cwd=ROOT, check=True, timeout=3600)
     return dict(json.loads(out.read_text()))
 
 
-def warm_up(url: str, model: str, model_dir: Path, out: Path, ignore_eos: bool) -> None:
+def warm_up(
+    url: str, model: str, model_dir: Path, out: Path, ignore_eos: bool, guided: float | None = None
+) -> None:
     """32 requests of the same shape (another seed: no prompt of the timed run is cached), not
     timed: kernels compile on first use (Triton specializes on shapes), and a fresh machine's
     first requests would otherwise pay for it (seen: TTFT p50 1.6 s instead of 0.6 s)."""
-    bench(url, model, model_dir, 32, out.with_suffix(".warmup.json"), ignore_eos, seed=1)
+    warmup = out.with_suffix(".warmup.json")
+    bench(url, model, model_dir, 32, warmup, ignore_eos, seed=1, guided=guided)
 
 
 def stop(process: subprocess.Popen[bytes]) -> None:
@@ -112,7 +135,11 @@ def stop(process: subprocess.Popen[bytes]) -> None:
         process.wait()
 
 
-def run_pagedserve(model_dir: Path, requests: int, out: Path) -> dict[str, Any]:
+def run_pagedserve(
+    model_dir: Path, requests: int, out: Path, guided: list[float] | None = None
+) -> list[dict[str, Any]]:
+    """The client's runs against one ``pagedserve up``: the standard workload, or one run per
+    fraction of ``guided`` (same seed: the same prompts, a growing share of them guided)."""
     port = free_port()
     env = {
         **os.environ,
@@ -124,8 +151,15 @@ def run_pagedserve(model_dir: Path, requests: int, out: Path) -> dict[str, Any]:
     try:
         wait_http(f"http://127.0.0.1:{port}/health", process, 900, ok=True)
         url = f"http://127.0.0.1:{port}"
-        warm_up(url, model_dir.name, model_dir, out, ignore_eos=True)
-        return bench(url, model_dir.name, model_dir, requests, out, ignore_eos=True)
+        if guided is None:
+            warm_up(url, model_dir.name, model_dir, out, ignore_eos=True)
+            return [bench(url, model_dir.name, model_dir, requests, out, ignore_eos=True)]
+        warm_up(url, model_dir.name, model_dir, out, True, guided=max(guided))
+        return [
+            bench(url, model_dir.name, model_dir, requests, out.with_suffix(f".{f}.json"), True,
+                  guided=f)
+            for f in guided
+        ]  # fmt: skip
     finally:
         stop(process)
 
@@ -163,12 +197,27 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("/tmp/pagedserve-http-bench"))
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--skip-engine", action="store_true")
+    parser.add_argument(
+        "--guided-fractions",
+        default="",
+        help="comma-separated fractions of requests asking for JSON of a random schema (e.g. "
+        "0,0.5): pagedserve alone, one run each, on a byte-level tokenizer's checkpoint",
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    model_dir = checkpoint(args.out / f"model-{args.shape}", args.shape)
     rows = ["| server | completed | output tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | "
             "TPOT p50 ms |", "|---|---|---|---|---|---|"]  # fmt: skip
-    ours = run_pagedserve(model_dir, args.requests, args.out / "pagedserve.json")
+    if args.guided_fractions:
+        fractions = [float(f) for f in args.guided_fractions.split(",")]
+        model_dir = checkpoint(args.out / f"model-{args.shape}-bytes", args.shape, True)
+        runs = run_pagedserve(model_dir, args.requests, args.out / "guided.json", fractions)
+        for fraction, result in zip(fractions, runs, strict=True):
+            rows.append(row(f"pagedserve (HTTP), {fraction:.0%} guided", result))
+            print(f"{fraction:.0%} guided: {result['guided_parsed']} of {result['guided']} parse")
+        print("\n".join(rows))
+        return
+    model_dir = checkpoint(args.out / f"model-{args.shape}", args.shape)
+    [ours] = run_pagedserve(model_dir, args.requests, args.out / "pagedserve.json")
     rows.append(row("pagedserve (HTTP)", ours))
     if not args.skip_transformers:
         theirs = run_transformers(model_dir, args.requests, args.out / "transformers.json")

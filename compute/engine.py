@@ -46,6 +46,7 @@ from collections.abc import Callable
 import redis
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from compute.grammar import GrammarError, Grammars
 from compute.kvsync import Diverged, KVSync
 from compute.model_step import ModelStep
 from compute.publisher import Publisher
@@ -111,6 +112,7 @@ class Engine:
         self.publisher = Publisher(r)
         self.runner: ModelRunner | None = None
         self._pool: p.PoolInfo | None = None
+        self._grammars: Grammars | None = None  # made for the first guided request
         self._connect(redeliver=True)
 
     # ------------------------------------------------------------------ connecting
@@ -123,7 +125,9 @@ class Engine:
         if reply.pool != self._pool:
             self._map(reply.pool)
         self.scheduler = Scheduler(self.config, reply.pool.block_size)
-        self.requests = Requests(self.scheduler, self._decode, self.eos_ids, self.worker_id)
+        self.requests = Requests(
+            self.scheduler, self._decode, self.eos_ids, self.worker_id, self.grammars
+        )
         self.kvsync = KVSync(self.kv, self.worker_id, self.requests)
         assert self.runner is not None
         self.model_step = ModelStep(
@@ -283,7 +287,10 @@ class Engine:
             return  # the last look found nothing: a busy loop looks again in POLL_S
         taken = queue_worker.read_requests(self.redis, self.worker_id, room, block_ms)
         for entry_id, record in taken:
-            self.requests.start(entry_id, record)
+            try:
+                self.requests.start(entry_id, record)
+            except GrammarError as err:  # the gateway checks guides: a client of Redis itself
+                self._refuse(entry_id, record, f"its guide is refused: {err}")
         self._next_poll = 0.0 if taken else time.monotonic() + POLL_S
 
     def _renew_leases(self) -> None:
@@ -304,16 +311,32 @@ class Engine:
         try:
             streamed = queue_worker.read_streamed(self.redis, record.req_id)
         except RecordError as err:  # its output is unreadable: it cannot go on
-            failed = OutputRecord(record.req_id, finish_reason="error", error=str(err), final=True)
-            queue_worker.step(self.redis, [failed], [entry_id])
+            self._refuse(entry_id, record, str(err))
             return 0
         if streamed.final:  # it finished; only the ack was lost
             queue_worker.ack(self.redis, [entry_id])
             return 0
         counts = {i: len(seq.token_ids) for i, seq in streamed.sequences.items()}
         log.info("taking over %s after %s streamed tokens per branch", record.req_id, counts)
-        self.requests.resume_streamed(entry_id, record, streamed)
+        try:
+            self.requests.resume_streamed(entry_id, record, streamed)
+        except GrammarError as err:
+            self._refuse(entry_id, record, f"its guide is refused: {err}")
+            return 0
         return 1
+
+    def _refuse(self, entry_id: str, record: RequestRecord, error: str) -> None:
+        """Fails a request that never became active: its error record, its entry acked."""
+        log.error("request %s failed: %s", record.req_id, error)
+        failed = OutputRecord(record.req_id, finish_reason="error", error=error, final=True)
+        queue_worker.step(self.redis, [failed], [entry_id])
+
+    def grammars(self) -> Grammars:
+        """The worker's grammar compiler (its tokenizer's vocabulary, as wide as the logits)."""
+        if self._grammars is None:
+            vocab = self.model.get_output_embeddings().weight.shape[0]
+            self._grammars = Grammars(self.tokenizer, int(vocab))
+        return self._grammars
 
     def _end(self, active: Active, reason: FinishReason, error: str | None = None) -> None:
         """Ends a request before it finished (a client abort, its gateway gone, a refusal): its

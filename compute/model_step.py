@@ -28,12 +28,15 @@ On the CPU the forward pass runs synchronously inside ``launch``; the bookkeepin
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from llguidance import LLMatcher
 
+from compute.grammar import mask_rows
 from compute.kvsync import KVSync
 from compute.logprobs import Logprobs, PromptLogprobs, sampled_logprobs, split_prompt_rows
 from compute.penalties import ProcessedRow, process_logits
@@ -47,6 +50,8 @@ from compute.transfer import to_device
 from contracts.records import OutputRecord, SamplingParams
 
 __all__ = ["Launched", "ModelStep", "Processed"]
+
+log = logging.getLogger("pagedserve.compute")
 
 
 @dataclass(frozen=True)
@@ -157,6 +162,7 @@ class ModelStep:
         processed: list[ProcessedRow] = []
         row_of: dict[str, int] = {}
         beams: list[int] = []
+        guided: list[int] = []  # rows whose grammar masks them
         for i, chunk in enumerate(chunks):
             seq = chunk.seq
             if not chunk.samples or self.requests.beam_search(seq.seq_id) is not None:
@@ -175,9 +181,13 @@ class ModelStep:
                 if active.processed:
                     row = self._processed_row(len(rows), chunk, params, generated, branch.stop)
                     processed.append(row)
+                if branch.matcher is not None:  # the fan-out's rows share branch 0's state
+                    guided.append(len(rows))
                 rows.append(Row(i, active, k, forks=k != branch.index))
                 states.append(RowState(params, k, generated))
-            self.scheduler.launched(chunk, sampling=True, feedable=fan_out == 1)
+            # a guided row's next mask needs this token on the host: it is never fed
+            feedable = fan_out == 1 and branch.matcher is None
+            self.scheduler.launched(chunk, sampling=True, feedable=feedable)
         sampled = host = logprobs = None
         if rows:
             index = [r.chunk for r in rows]
@@ -188,6 +198,8 @@ class ModelStep:
             if processed:
                 source = self.inflight.sampled if self.inflight is not None else None
                 drawn = process_logits(drawn.float(), processed, source)
+            if guided:
+                drawn = mask_rows(drawn, guided, [self._matcher(rows[r]) for r in guided])
             sampled = sample(drawn, states).token_ids  # [R]
             logprobs = sampled_logprobs(raw, sampled, [row.active.record.params for row in rows])
             host = sampled
@@ -200,6 +212,15 @@ class ModelStep:
         return Launched(
             chunks, rows, row_of, sampled, host, logits, beams, events, logprobs, prompt
         )
+
+    @staticmethod
+    def _matcher(row: Row) -> LLMatcher:
+        """The grammar state a guided row draws from: its branch's (branch 0's for a branch
+        forked at this token: they share every token before it)."""
+        branches = row.active.branches
+        matcher = branches[0 if row.forks else row.index].matcher
+        assert matcher is not None, "a guided row of no grammar"
+        return matcher
 
     def _collector(self, chunk: Chunk) -> Active | None:
         """The request collecting prompt logprobs that ``chunk`` computes some of, if any."""
@@ -268,6 +289,8 @@ class ModelStep:
             branch = (
                 self.requests.fork_branch(active, k, token) if row.forks else active.branches[k]
             )
+            if branch.matcher is not None and not branch.matcher.consume_token(token):
+                log.error("%s: token %d outside its grammar", branch.seq.seq_id, token)
             update = branch.stop.append(token)
             if update.finish_reason is not None:
                 active.live -= 1

@@ -12,12 +12,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection
 from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING
 
 from compute.beams import BeamGroup
 from compute.requests import Active, Branch
 from compute.scheduler import Scheduler, Sequence
 from compute.stops import StopChecker
 from contracts.records import RequestRecord, Streamed
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
+
+    from compute.grammar import Grammars
 
 
 class Requests:
@@ -27,13 +33,16 @@ class Requests:
         decode: Callable[[Seq[int]], str],
         eos_ids: Collection[int],
         worker_id: str,
+        grammars: Callable[[], Grammars] | None = None,
     ) -> None:
         """``decode``: token ids -> output text (the stop checkers'); ``worker_id`` names the
-        beams this worker forks (apart from those of a dead worker that served a request)."""
+        beams this worker forks (apart from those of a dead worker that served a request);
+        ``grammars``: the worker's grammar compiler (made on first use), for guided requests."""
         self.scheduler = scheduler
         self._decode = decode
         self._eos_ids = eos_ids
         self._worker_id = worker_id
+        self._grammars = grammars
         self.active: dict[str, Active] = {}  # by request id
         self._branches: dict[str, tuple[Active, Branch]] = {}  # by sequence id
         self._beams: dict[str, Active] = {}  # by sequence id: the live beams
@@ -41,7 +50,10 @@ class Requests:
 
     # ------------------------------------------------------------------ entering
     def start(self, entry_id: str, record: RequestRecord) -> Active:
-        """A request from its first token: its first branch, or its beam search's root."""
+        """A request from its first token: its first branch, or its beam search's root.
+        Raises GrammarError, changing nothing, for a guide the grammar engine refuses."""
+        if record.params.guide is not None:
+            self._matcher(record)  # compiled (and cached) now: a refusal changes nothing
         beams = record.params.beam_width > 1
         limit = None if beams else record.params.max_tokens
         seq = self.scheduler.add(record.req_id, record.prompt_token_ids, max_tokens=limit)
@@ -60,7 +72,10 @@ class Requests:
         """A request another worker (or this one, before an outage) served: each unfinished
         branch continues from the tokens it streamed, to be adopted at the kvstore. A beam
         search (nothing streamed until it ends) or a request that streamed nothing starts again,
-        also adopting what the kvstore kept of its prompt."""
+        also adopting what the kvstore kept of its prompt. Raises GrammarError, changing
+        nothing, for a guide the grammar engine refuses."""
+        if record.params.guide is not None:
+            self._matcher(record)
         if record.params.beam_width > 1 or not streamed.sequences:
             active = self.start(entry_id, record)
             self.adopting.add(record.req_id)
@@ -84,12 +99,21 @@ class Requests:
             active.live += 1
             for token in generated:  # the stop checker and the seeded stream continue from here
                 branch.stop.append(token)
+                if branch.matcher is not None:
+                    branch.matcher.consume_token(token)
         return active
 
     def add_branch(self, active: Active, seq: Sequence, index: int) -> Branch:
-        context = active.record.prompt_token_ids[-4:]
-        stop = StopChecker(active.record.params, self._eos_ids, self._decode, context)
-        branch = Branch(index, seq, stop)
+        """A new branch of ``active`` on ``seq``, with its own stop checker and, if guided, its
+        own grammar matcher (nothing accepted yet)."""
+        record = active.record
+        context = record.prompt_token_ids[-4:]
+        matcher, grammar_eos = None, None
+        if record.params.guide is not None:
+            matcher = self._matcher(record)
+            grammar_eos = self._compiler().eos_token_id
+        stop = StopChecker(record.params, self._eos_ids, self._decode, context, grammar_eos)
+        branch = Branch(index, seq, stop, matcher)
         active.branches[index] = branch
         self._branches[seq.seq_id] = (active, branch)
         return branch
@@ -105,6 +129,14 @@ class Requests:
     def add_beams(self, active: Active, seq_ids: Collection[str]) -> None:
         for seq_id in seq_ids:
             self._beams[seq_id] = active
+
+    def _compiler(self) -> Grammars:
+        assert self._grammars is not None, "a guided request on a worker with no grammars"
+        return self._grammars()
+
+    def _matcher(self, record: RequestRecord) -> LLMatcher:
+        assert record.params.guide is not None
+        return self._compiler().matcher(record.params.guide)
 
     # ------------------------------------------------------------------ lookups
     def branch(self, seq_id: str) -> tuple[Active, Branch] | None:

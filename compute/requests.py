@@ -8,11 +8,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 from compute.beams import BeamGroup
 from compute.scheduler import SeqStatus, Sequence
 from compute.stops import StopChecker
 from contracts.records import FinishReason, OutputRecord, RequestRecord, TokenLogprob
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
 
 
 @dataclass
@@ -22,6 +26,7 @@ class Branch:
     index: int
     seq: Sequence
     stop: StopChecker
+    matcher: LLMatcher | None = None  # its grammar's state, when the request is guided
 
 
 @dataclass

@@ -64,11 +64,16 @@ class StopChecker:
         eos_token_ids: Collection[int],
         decode: Callable[[Sequence[int]], str],
         context_token_ids: Sequence[int] = (),
+        grammar_eos: int | None = None,
     ) -> None:
+        """``grammar_eos``: a guided sequence's grammar ends with this token (its tokenizer's
+        EOS): it stops the sequence, ``ignore_eos`` or not."""
         self._max_tokens = params.max_tokens
         self._stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             self._stop_ids |= set(eos_token_ids)
+        if grammar_eos is not None:
+            self._stop_ids.add(grammar_eos)
         self._stops = [s for s in params.stop if s]
         self._tail_len = max((len(s) for s in self._stops), default=1) - 1
         self._decode = decode

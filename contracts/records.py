@@ -12,7 +12,19 @@ import msgspec
 RECORD_VERSION = 4  # 2: RequestRecord without arrival_time and priority, OutputRecord without
 # logprobs, with offset; RequestRecord.gateway. 3: SamplingParams' penalties, logit_bias,
 # min_tokens and logprobs; OutputRecord.logprobs. 4: prompt logprobs (SamplingParams,
-# OutputRecord)
+# OutputRecord), SamplingParams.guide
+
+
+GuideKind = Literal["json_schema", "json_object", "regex", "choice"]
+
+
+class Guide(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """What a structured output must be (``contracts.guides`` gives its grammar): valid JSON
+    of the JSON Schema whose JSON text is ``spec``, any JSON object, a whole match of the regular
+    expression ``spec``, or one of the strings of the JSON array ``spec``."""
+
+    kind: GuideKind
+    spec: str = ""
 
 
 class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -29,7 +41,8 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     tokens' (0-20), from the model's distribution before penalties and temperature (vLLM's
     default, ``raw_logprobs``); None: none. ``prompt_logprobs``: the same for every prompt
     token after the first (0-20 top tokens), computed in the prefill; such a request reuses no
-    cached prefix (the hit part would have no logits: it is computed again).
+    cached prefix (the hit part would have no logits: it is computed again). ``guide``: the
+    output follows this grammar (``compute.grammar``), and ends at its EOS.
     """
 
     max_tokens: int = 16
@@ -50,6 +63,7 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    guide: Guide | None = None
 
     def validate(self) -> None:
         """Raises ValueError naming the first field out of range."""
@@ -75,6 +89,8 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
                 "prompt_logprobs must be in [0, 20]",
             ),
             (self.beam_width == 1 or self.prompt_logprobs is None, "beam search: no logprobs"),
+            (self.beam_width == 1 or self.guide is None, "beam search follows no grammar"),
+            (self.guide is None or not self.min_tokens, "min_tokens would mask a grammar's end"),
         ]
         for ok, message in checks:
             if not ok:

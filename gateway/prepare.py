@@ -31,6 +31,7 @@ from transformers import PreTrainedTokenizerBase
 from contracts.records import SamplingParams
 from gateway.config import GatewayConfig
 from gateway.errors import bad_request
+from gateway.guided import guide_of
 from gateway.limits import KVCapacity, Limits, beam_width_of
 from gateway.schemas import ChatRequest, CompletionRequest
 
@@ -122,10 +123,6 @@ def prepare_chat(
     for name, value in (("tools", req.tools), ("functions", req.functions)):
         if value:
             raise bad_request(f"{name} are not supported", name, "unsupported_parameter")
-    if req.response_format is not None:
-        raise bad_request(
-            "response_format is not supported", "response_format", "unsupported_parameter"
-        )
     top = _in_range(req.top_logprobs, 0, "top_logprobs", 0, 20)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
@@ -282,6 +279,11 @@ def _prepared(
         raise bad_request(f"{changed[0]} does not apply to beam search", changed[0], "unsupported")
     if beam and logprobs is not None:
         raise bad_request("beam search gives no logprobs", "logprobs", "unsupported")
+    guide = guide_of(req)
+    if guide is not None and beam:
+        raise bad_request("beam search follows no grammar", "use_beam_search", "unsupported")
+    if guide is not None and penalties["min_tokens"]:
+        raise bad_request("min_tokens would mask the end of a structured output", "min_tokens")
     params = SamplingParams(
         max_tokens=max_tokens,
         temperature=temperature,
@@ -297,6 +299,7 @@ def _prepared(
         **penalties,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
+        guide=guide,
     )
     try:
         params.validate()

@@ -49,6 +49,11 @@ class _Sampling(msgspec.Struct, kw_only=True):
     min_tokens: int | None = None
     return_tokens_as_token_ids: bool | None = None  # logprobs name tokens "token_id:<id>"
     cache_salt: str | None = None  # only requests with the same salt share prefix-cache blocks
+    # structured output (``gateway.guided``): OpenAI's response_format, vLLM's guided_*
+    response_format: Any | None = None
+    guided_json: Any | None = None
+    guided_regex: Any | None = None
+    guided_choice: Any | None = None
     priority: int | None = None  # only 0 (vLLM's default): scheduling by priority is not built
 
 
@@ -79,7 +84,6 @@ class ChatRequest(_Sampling, kw_only=True):
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     functions: list[Any] | None = None
-    response_format: Any | None = None
 
 
 T = TypeVar("T", CompletionRequest, ChatRequest)

@@ -24,14 +24,21 @@ import random
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 
-from pagedserve.bench_workloads import WORKLOADS, TextMaker, Turn, Workload, build, parse_range
-
-PERCENTILES = (50, 90, 99)
+from pagedserve.bench_report import Result, report, summarize
+from pagedserve.bench_workloads import (
+    WORKLOADS,
+    TextMaker,
+    Turn,
+    Workload,
+    build,
+    parse_range,
+    with_schemas,
+)
 
 
 @dataclass(frozen=True)
@@ -82,45 +89,19 @@ class BenchConfig:
         },
     )
     seed: int = field(default=0, metadata={"help": "seed of the requests and the arrivals"})
+    guided_fraction: float = field(
+        default=0.0,
+        metadata={
+            "help": "this fraction of the requests (seeded) asks for JSON of a random JSON "
+            "Schema (response_format json_schema); the report counts those that parse"
+        },
+    )
     slo_ttft_ms: float = field(default=0.0, metadata={"help": "goodput: TTFT limit (0: none)"})
     slo_tpot_ms: float = field(default=0.0, metadata={"help": "goodput: TPOT limit (0: none)"})
     timeout_s: float = field(default=600.0, metadata={"help": "one request's limit"})
     api_key: str = field(default="", metadata={"help": "bearer token (default: $OPENAI_API_KEY)"})
     result_json: str = field(default="", metadata={"help": "write every figure to this file"})
     progress: bool = field(default=True, metadata={"help": "a progress line on stderr"})
-
-
-@dataclass
-class Result:
-    """One request as the client saw it (seconds since the benchmark started)."""
-
-    start: float
-    first: float | None = None
-    end: float = 0.0
-    chunks: list[float] = field(default_factory=list)  # arrival of each chunk with text
-    output_tokens: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0  # the prefix-cache hit the server reports (usage.prompt_tokens_details)
-    text: str = ""
-    error: str = ""
-    conversation: int = -1
-    turn: int = 0
-
-    @property
-    def ok(self) -> bool:
-        return not self.error and self.first is not None
-
-    @property
-    def ttft(self) -> float:
-        assert self.first is not None
-        return self.first - self.start
-
-    @property
-    def tpot(self) -> float | None:
-        assert self.first is not None
-        return (
-            (self.end - self.first) / (self.output_tokens - 1) if self.output_tokens > 1 else None
-        )
 
 
 class Client:
@@ -148,6 +129,9 @@ class Client:
         }
         if self.config.ignore_eos:
             body["ignore_eos"] = True
+        if turn.schema is not None:
+            schema = {"name": "bench", "schema": turn.schema}
+            body["response_format"] = {"type": "json_schema", "json_schema": schema}
         if self.config.endpoint == "chat":
             messages = []
             for user, assistant in history:
@@ -213,6 +197,7 @@ class Client:
         for turn in turns:
             result = await self.send(self.body(history, turn))
             result.conversation, result.turn = turn.conversation, turn.turn
+            result.guided = turn.schema is not None
             done(result)
             results.append(result)
             if not result.ok:
@@ -279,81 +264,6 @@ class Progress:
             print(file=sys.stderr)
 
 
-def percentiles(values: list[float]) -> dict[str, float]:
-    """p50/p90/p99 (nearest rank) and the mean, in milliseconds; zeros when empty."""
-    if not values:
-        return {**{f"p{q}": 0.0 for q in PERCENTILES}, "mean": 0.0}
-    ordered = sorted(values)
-    picks = {
-        f"p{q}": ordered[min(len(ordered) - 1, math.ceil(q / 100 * len(ordered)) - 1)]
-        for q in PERCENTILES
-    }
-    return {k: v * 1e3 for k, v in {**picks, "mean": sum(ordered) / len(ordered)}.items()}
-
-
-def summarize(config: BenchConfig, results: list[Result], duration: float) -> dict[str, Any]:
-    ok = [r for r in results if r.ok]
-    tpots = [t for r in ok if (t := r.tpot) is not None]
-    itls = [b - a for r in ok for a, b in zip(r.chunks, r.chunks[1:], strict=False)]
-    good = [
-        r
-        for r in ok
-        if (not config.slo_ttft_ms or r.ttft * 1e3 <= config.slo_ttft_ms)
-        and (not config.slo_tpot_ms or (r.tpot or 0.0) * 1e3 <= config.slo_tpot_ms)
-    ]
-    span = max(duration, 1e-9)
-    return {
-        "config": asdict(config),
-        "completed": len(ok),
-        "failed": len(results) - len(ok),
-        "errors": sorted({r.error for r in results if r.error})[:5],
-        "duration_s": duration,
-        "output_tokens": sum(r.output_tokens for r in ok),
-        "input_tokens": sum(r.prompt_tokens for r in ok),
-        "cached_tokens": sum(r.cached_tokens for r in ok),
-        "output_tok_s": sum(r.output_tokens for r in ok) / span,
-        "input_tok_s": sum(r.prompt_tokens for r in ok) / span,
-        "request_s": len(ok) / span,
-        "goodput_request_s": len(good) / span,
-        "ttft_ms": percentiles([r.ttft for r in ok]),
-        "tpot_ms": percentiles(tpots),
-        "itl_ms": percentiles(itls),
-        "e2e_ms": percentiles([r.end - r.start for r in ok]),
-        "requests": [
-            {
-                "start_s": r.start,
-                "ttft_ms": r.ttft * 1e3 if r.ok else None,
-                "e2e_ms": (r.end - r.start) * 1e3,
-                "output_tokens": r.output_tokens,
-                "prompt_tokens": r.prompt_tokens,
-                "cached_tokens": r.cached_tokens,
-                "conversation": r.conversation,
-                "turn": r.turn,
-                "error": r.error,
-            }
-            for r in results
-        ],
-    }
-
-
-def report(summary: dict[str, Any]) -> str:
-    lines = [
-        f"completed {summary['completed']}, failed {summary['failed']} in "
-        f"{summary['duration_s']:.2f} s",
-        f"output {summary['output_tok_s']:.1f} tok/s, input {summary['input_tok_s']:.1f} tok/s, "
-        f"{summary['request_s']:.2f} req/s (goodput {summary['goodput_request_s']:.2f} req/s)",
-        f"prefix cache: {summary['cached_tokens']} of {summary['input_tokens']} prompt tokens",
-    ]
-    for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
-        p = summary[name]
-        lines.append(
-            f"{name[:-3].upper():5} ms  p50 {p['p50']:.1f}  p90 {p['p90']:.1f}  "
-            f"p99 {p['p99']:.1f}  mean {p['mean']:.1f}"
-        )
-    lines += [f"error: {e}" for e in summary["errors"]]
-    return "\n".join(lines)
-
-
 def run(config: BenchConfig) -> dict[str, Any]:
     """``pagedserve bench``: sends the workload, prints the report; the summary."""
     try:
@@ -369,6 +279,7 @@ def run(config: BenchConfig) -> dict[str, Any]:
             config.num_prefixes,
             config.turns,
         )
+        groups = with_schemas(groups, config.guided_fraction, config.seed)
     except (ValueError, OSError) as err:
         raise SystemExit(f"pagedserve bench: {err}") from None
     try:

@@ -12,14 +12,19 @@ OpenAI-compatible server takes them, on ``/v1/completions`` and on ``/v1/chat/co
 - ``multi-turn``: conversations of ``turns`` turns, each turn's prompt the whole history so far
   (earlier prompts and the server's answers) plus a new user message; the turns of one
   conversation run one after the other, conversations concurrently.
+
+Any of them with a fraction of the requests asking for structured output (``with_schemas``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
+
+from pagedserve.json_schemas import random_schema
 
 Workload = Literal["random", "shared-prefix", "multi-turn"]
 WORKLOADS: tuple[Workload, ...] = ("random", "shared-prefix", "multi-turn")
@@ -61,6 +66,7 @@ class Turn:
     max_tokens: int
     conversation: int = -1
     turn: int = 0
+    schema: dict[str, Any] | None = None  # the output must be JSON of this schema
 
 
 class TextMaker:
@@ -102,3 +108,18 @@ def build(
         return [[one(prefix=prefixes[i % num_prefixes])] for i in range(num_requests)]
     conversations = max(num_requests // turns, 1)
     return [[one(c, t) for t in range(turns)] for c in range(conversations)]
+
+
+def with_schemas(groups: list[list[Turn]], fraction: float, seed: int) -> list[list[Turn]]:
+    """``groups`` with a ``fraction`` of the requests (seeded) asking for JSON of a random
+    bounded JSON Schema (``pagedserve.json_schemas``). Raises ValueError outside [0, 1]."""
+    if not 0 <= fraction <= 1:
+        raise ValueError(f"guided fraction {fraction}: expected a number in [0, 1]")
+    rng = random.Random(seed + 1)
+
+    def pick(turn: Turn) -> Turn:
+        if rng.random() >= fraction:
+            return turn
+        return dataclasses.replace(turn, schema=random_schema(rng))
+
+    return [[pick(turn) for turn in group] for group in groups]

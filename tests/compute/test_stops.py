@@ -144,6 +144,10 @@ def test_stop_token_ids_eos_and_ignore_eos() -> None:
     )
     with pytest.raises(RuntimeError):
         checker.append(0)
+    # a grammar's end token stops a guided sequence, ignore_eos or not; the model's EOS does not
+    checker = StopChecker(SamplingParams(ignore_eos=True), [3], decode, grammar_eos=4)
+    feed(checker, [0, 3, 4, 0])
+    assert (checker.text, checker.finish_reason, checker.stop_reason) == ("a<eos>", "stop", 4)
 
 
 @pytest.mark.parametrize(

@@ -47,6 +47,16 @@ def test_a_burst_of_random_requests(stack: Stack, tmp_path: Path) -> None:
     assert stderr.splitlines()[-1].startswith("12/12 requests")  # the progress line
 
 
+def test_half_the_requests_asking_for_json_of_a_schema(stack: Stack, tmp_path: Path) -> None:
+    """``--guided-fraction 0.5``: the seeded half sends a random JSON Schema; each of those
+    outputs parses (a guided output ends where its grammar does, ``ignore_eos`` or not)."""
+    flags = ["--num-requests", "10", "--input-len", "8:20", "--output-len", "400"]
+    result, stdout, _ = bench(stack, tmp_path, *flags, "--guided-fraction", "0.5", "--seed", "2")
+    assert (result["completed"], result["failed"]) == (10, 0)
+    assert 0 < result["guided"] < 10 and result["guided_parsed"] == result["guided"]
+    assert f"structured: {result['guided']} of {result['guided']} parse" in stdout
+
+
 def test_poisson_arrivals_are_spread_over_time(stack: Stack, tmp_path: Path) -> None:
     """At 8 requests per second, the last of 6 is sent no sooner than the drawn gaps allow."""
     flags = ["--num-requests", "6", "--input-len", "4", "--output-len", "2"]

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Iterator
 from typing import Any, TypedDict, TypeVar
 
+import jsonschema
 import openai
 import pytest
 import torch
@@ -371,6 +374,57 @@ def test_echo_logprobs_score_the_prompt_after_a_prefix_cache_hit(
         for x in c.choices[0].logprobs.token_logprobs or []
     ]
     assert joined == choice.logprobs.token_logprobs
+
+
+def test_structured_output_through_the_sdk_parses_and_validates(client: openai.OpenAI) -> None:
+    """``response_format`` with a JSON Schema (streamed and not), and vLLM's ``guided_choice``
+    and ``guided_regex`` on completions, on the tiny random model."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 6},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2},
+        },
+        "required": ["name", "age", "tags"],
+        "additionalProperties": False,
+    }
+    response_format: Any = {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}
+    kwargs: dict[str, Any] = dict(
+        model="tiny",
+        messages=[{"role": "user", "content": "a person"}],
+        max_tokens=200,
+        temperature=1.0,
+        seed=3,
+        response_format=response_format,
+    )
+    out = client.chat.completions.create(**kwargs)
+    text = out.choices[0].message.content or ""
+    assert out.choices[0].finish_reason == "stop", text
+    jsonschema.validate(json.loads(text), schema)
+    streamed = "".join(
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(stream=True, **kwargs)
+        if c.choices
+    )
+    assert streamed == text  # seeded: the same output
+    choices = ["red", "green", "blue"]
+    picked = client.completions.create(
+        model="tiny",
+        prompt="colour:",
+        max_tokens=20,
+        n=3,
+        seed=4,
+        extra_body={"guided_choice": choices},
+    )
+    assert all(c.text in choices for c in picked.choices), picked.choices
+    matched = client.completions.create(
+        model="tiny",
+        prompt="code:",
+        max_tokens=20,
+        extra_body={"guided_regex": r"[A-Z]{2}[0-9]{2}"},
+    )
+    assert re.fullmatch(r"[A-Z]{2}[0-9]{2}", matched.choices[0].text), matched.choices[0].text
 
 
 def test_chat_logprobs_and_top_logprobs(client: openai.OpenAI, truth: torch.nn.Module) -> None:

@@ -1,0 +1,97 @@
+"""Structured output on a worker: a grammar matcher per guided sequence, and the token masks of
+a step's guided rows.
+
+llguidance computes each guided row's allowed tokens on the host, as a bitmask of
+``ceil(vocab / 32)`` int32 words (bit ``t % 32`` of word ``t // 32``: token ``t`` allowed); the
+bitmask is copied to the device and unpacked there by torch, and every disallowed token's logit
+becomes -inf, after the penalties and before temperature and sampling. A grammar allows its EOS
+only once it is complete, and a guided sequence always stops at EOS (``ignore_eos`` or not), so
+its output is complete unless ``max_tokens`` cuts it first ("length", as OpenAI's).
+
+The overlapped engine feeds a sequence's drawn token to the next step before the host has seen
+it; a guided row's next mask needs that token, so guided sequences are never fed: each decodes
+in every other step while the others run in every step (``compute.model_step``).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import llguidance
+import llguidance.hf
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from compute.transfer import to_device
+from contracts.guides import grammar_of
+from contracts.records import Guide
+
+__all__ = ["GrammarError", "Grammars", "mask_rows"]
+
+_WORD = 32  # tokens per bitmask word
+
+
+class GrammarError(ValueError):
+    """A guide the grammar engine refuses (the gateway checks guides first: rare here)."""
+
+
+class Grammars:
+    """One worker's grammar compiler: its tokenizer's vocabulary as llguidance sees it, and the
+    last ``cache_size`` compiled guides (compiling a JSON Schema takes about a millisecond; a
+    copy of a compiled one, a few microseconds)."""
+
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, cache_size: int = 256
+    ) -> None:
+        self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)  # type: ignore[arg-type]
+        self.vocab_size = vocab_size
+        self._cache_size = cache_size
+        self._compiled: OrderedDict[Guide, llguidance.LLMatcher] = OrderedDict()
+
+    @property
+    def eos_token_id(self) -> int:
+        """The token a grammar allows once it is complete."""
+        return int(self._tokenizer.eos_token)
+
+    def matcher(self, guide: Guide) -> llguidance.LLMatcher:
+        """A fresh matcher of ``guide`` (nothing accepted yet). Raises GrammarError."""
+        compiled = self._compiled.get(guide)
+        if compiled is None:
+            try:
+                compiled = llguidance.LLMatcher(self._tokenizer, grammar_of(guide), log_level=0)
+            except ValueError as err:
+                raise GrammarError(f"{guide.kind}: {err}") from err
+            if compiled.is_error():
+                raise GrammarError(f"{guide.kind}: {compiled.get_error()}")
+            self._compiled[guide] = compiled
+            if len(self._compiled) > self._cache_size:
+                self._compiled.popitem(last=False)
+        else:
+            self._compiled.move_to_end(guide)
+        return compiled.deep_copy()
+
+
+def mask_rows(
+    logits: torch.Tensor, rows: list[int], matchers: list[llguidance.LLMatcher]
+) -> torch.Tensor:
+    """``logits`` [R, vocab] fp32 with each of ``rows`` masked to what its matcher allows next
+    (a new tensor; the other rows are copied unchanged). Reads the matchers, never advances
+    them."""
+    device, vocab = logits.device, logits.shape[1]
+    words = -(-vocab // _WORD)
+    bitmask = torch.empty((len(rows), words), dtype=torch.int32, pin_memory=device.type == "cuda")
+    row_bytes = words * 4
+    for i, matcher in enumerate(matchers):  # what llguidance.torch's fill does, without the
+        # torch.compile that module imports (seconds at startup)
+        matcher.unsafe_compute_mask_ptr(bitmask[i].data_ptr(), row_bytes)
+    allowed = unpack_bitmask(bitmask.to(device, non_blocking=True), vocab)
+    index = to_device(rows, device)
+    masked = logits.index_select(0, index).masked_fill_(~allowed, float("-inf"))
+    return logits.index_copy(0, index, masked)
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[G, words] int32 -> [G, vocab] bool: bit ``t % 32`` of word ``t // 32`` is token ``t``."""
+    shifts = torch.arange(_WORD, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask[:, :, None] >> shifts) & 1  # [G, words, 32]
+    return bits.view(bitmask.shape[0], -1)[:, :vocab].bool()
