@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -35,6 +36,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from gateway.config import ADMIN_TOKEN_ENV  # noqa: E402
 from pagedserve.redis_server import free_port  # noqa: E402
 
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
@@ -141,6 +143,7 @@ def run_pagedserve(
     """The client's runs against one ``pagedserve up``: the standard workload, or one run per
     fraction of ``guided`` (same seed: the same prompts, a growing share of them guided)."""
     port = free_port()
+    os.environ.setdefault(ADMIN_TOKEN_ENV, secrets.token_urlsafe(16))
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
@@ -155,13 +158,23 @@ def run_pagedserve(
             warm_up(url, model_dir.name, model_dir, out, ignore_eos=True)
             return [bench(url, model_dir.name, model_dir, requests, out, ignore_eos=True)]
         warm_up(url, model_dir.name, model_dir, out, True, guided=max(guided))
-        return [
-            bench(url, model_dir.name, model_dir, requests, out.with_suffix(f".{f}.json"), True,
-                  guided=f)
-            for f in guided
-        ]  # fmt: skip
+        runs = []
+        for fraction in guided:  # the same prompts each time: none finds the last run's cached
+            reset_prefix_cache(url)
+            result = out.with_suffix(f".{fraction}.json")
+            runs.append(bench(url, model_dir.name, model_dir, requests, result, True, 0, fraction))
+        return runs
     finally:
         stop(process)
+
+
+def reset_prefix_cache(url: str) -> None:
+    """``POST /admin/cache/reset`` with the admin token this script gave ``pagedserve up``."""
+    token = os.environ[ADMIN_TOKEN_ENV]
+    headers = {"Authorization": f"Bearer {token}"}
+    request = urllib.request.Request(f"{url}/admin/cache/reset", method="POST", headers=headers)
+    with urllib.request.urlopen(request, timeout=30) as response:
+        print(f"prefix cache reset: {response.read().decode()}")
 
 
 def run_transformers(model_dir: Path, requests: int, out: Path) -> dict[str, Any]:
@@ -179,6 +192,18 @@ def run_transformers(model_dir: Path, requests: int, out: Path) -> dict[str, Any
         return bench(url, str(model_dir), model_dir, requests, out, ignore_eos=False)
     finally:
         stop(process)
+
+
+def by_class(result: dict[str, Any]) -> str:
+    """Output tokens and TPOT p50 of the guided and the other requests of one run."""
+    parts = []
+    for name, guided in (("guided", True), ("unguided", False)):
+        rows = [r for r in result["requests"] if r["guided"] == guided and not r["error"]]
+        tpots = sorted(r["tpot_ms"] for r in rows if r["tpot_ms"] is not None)
+        tpot = f"{tpots[len(tpots) // 2]:.1f}" if tpots else "-"
+        tokens = sum(r["output_tokens"] for r in rows)
+        parts.append(f"{name}: {len(rows)} requests, {tokens} tokens, TPOT p50 {tpot} ms")
+    return "; ".join(parts)
 
 
 def row(name: str, result: dict[str, Any]) -> str:
@@ -213,7 +238,8 @@ def main() -> None:
         runs = run_pagedserve(model_dir, args.requests, args.out / "guided.json", fractions)
         for fraction, result in zip(fractions, runs, strict=True):
             rows.append(row(f"pagedserve (HTTP), {fraction:.0%} guided", result))
-            print(f"{fraction:.0%} guided: {result['guided_parsed']} of {result['guided']} parse")
+            print(f"{fraction:.0%} guided: {result['guided_parsed']} of {result['guided']} parse, "
+                  f"{result['guided_cut']} cut by max_tokens; {by_class(result)}")  # fmt: skip
         print("\n".join(rows))
         return
     model_dir = checkpoint(args.out / f"model-{args.shape}", args.shape)

@@ -9,8 +9,11 @@ only once it is complete, and a guided sequence always stops at EOS (``ignore_eo
 its output is complete unless ``max_tokens`` cuts it first ("length", as OpenAI's).
 
 The overlapped engine feeds a sequence's drawn token to the next step before the host has seen
-it; a guided row's next mask needs that token, so guided sequences are never fed: each decodes
-in every other step while the others run in every step (``compute.model_step``).
+it, and a guided row's next mask needs that token. The mask is needed only to draw, after the
+forward pass: the engine enqueues step N+1's forward, then waits for step N's ids (the device
+runs N+1's forward meanwhile), lets the matchers accept them and computes N+1's masks
+(``ModelStep._catch_up``). A matcher that ended (or refused a token) allows only EOS: a row
+drawn after its sequence stopped, which the lag makes possible, draws EOS and is dropped.
 """
 
 from __future__ import annotations

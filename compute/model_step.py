@@ -185,9 +185,7 @@ class ModelStep:
                     guided.append(len(rows))
                 rows.append(Row(i, active, k, forks=k != branch.index))
                 states.append(RowState(params, k, generated))
-            # a guided row's next mask needs this token on the host: it is never fed
-            feedable = fan_out == 1 and branch.matcher is None
-            self.scheduler.launched(chunk, sampling=True, feedable=feedable)
+            self.scheduler.launched(chunk, sampling=True, feedable=fan_out == 1)
         sampled = host = logprobs = None
         if rows:
             index = [r.chunk for r in rows]
@@ -199,6 +197,7 @@ class ModelStep:
                 source = self.inflight.sampled if self.inflight is not None else None
                 drawn = process_logits(drawn.float(), processed, source)
             if guided:
+                self._catch_up([rows[r] for r in guided], chunks)
                 drawn = mask_rows(drawn, guided, [self._matcher(rows[r]) for r in guided])
             sampled = sample(drawn, states).token_ids  # [R]
             logprobs = sampled_logprobs(raw, sampled, [row.active.record.params for row in rows])
@@ -212,6 +211,21 @@ class ModelStep:
         return Launched(
             chunks, rows, row_of, sampled, host, logits, beams, events, logprobs, prompt
         )
+
+    def _catch_up(self, rows: list[Row], chunks: list[Chunk]) -> None:
+        """Guided rows of fed chunks draw after a token of the step in flight that their
+        matcher has not seen: waits for that step's ids (the device runs this step's forward
+        meanwhile) and lets each matcher accept its token, ahead of that step's processing."""
+        late = [row for row in rows if chunks[row.chunk].fed]
+        source = self.inflight
+        if not late or source is None:
+            return
+        tokens = source.wait()
+        for row in late:
+            branch = row.active.branches[row.index]
+            token = tokens[source.row_of[branch.seq.seq_id]]
+            if not branch.accept(branch.stop.num_generated, token):
+                log.error("%s: token %d outside its grammar", branch.seq.seq_id, token)
 
     @staticmethod
     def _matcher(row: Row) -> LLMatcher:
@@ -289,7 +303,7 @@ class ModelStep:
             branch = (
                 self.requests.fork_branch(active, k, token) if row.forks else active.branches[k]
             )
-            if branch.matcher is not None and not branch.matcher.consume_token(token):
+            if not branch.accept(branch.stop.num_generated, token):
                 log.error("%s: token %d outside its grammar", branch.seq.seq_id, token)
             update = branch.stop.append(token)
             if update.finish_reason is not None:

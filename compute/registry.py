@@ -97,10 +97,9 @@ class Requests:
             )
             self.adopting.add(seq_id)
             active.live += 1
-            for token in generated:  # the stop checker and the seeded stream continue from here
+            for offset, token in enumerate(generated):  # the stop checker, the grammar and
+                branch.accept(offset, token)  # the seeded stream continue from here
                 branch.stop.append(token)
-                if branch.matcher is not None:
-                    branch.matcher.consume_token(token)
         return active
 
     def add_branch(self, active: Active, seq: Sequence, index: int) -> Branch:

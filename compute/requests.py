@@ -27,6 +27,16 @@ class Branch:
     seq: Sequence
     stop: StopChecker
     matcher: LLMatcher | None = None  # its grammar's state, when the request is guided
+    consumed: int = 0  # output tokens the matcher accepted (one ahead while a step is in flight)
+
+    def accept(self, offset: int, token: int) -> bool:
+        """The matcher accepts output token ``offset`` unless it has already; False if the
+        grammar refuses it."""
+        if self.matcher is None or self.consumed > offset:
+            return True
+        assert self.consumed == offset, f"{self.seq.seq_id}: token {offset} after {self.consumed}"
+        self.consumed += 1
+        return bool(self.matcher.consume_token(token))
 
 
 @dataclass

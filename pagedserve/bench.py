@@ -183,6 +183,7 @@ class Client:
                     result.chunks.append(now)
                     result.text += text
                     counted += 1
+                result.finish_reason = choice.get("finish_reason") or result.finish_reason
             usage = event.get("usage")
             if usage:
                 result.output_tokens = int(usage.get("completion_tokens") or 0)

@@ -33,6 +33,7 @@ class Result:
     conversation: int = -1
     turn: int = 0
     guided: bool = False  # asked for JSON of a schema
+    finish_reason: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -85,6 +86,7 @@ def summarize(config: BenchConfig, results: list[Result], duration: float) -> di
         "cached_tokens": sum(r.cached_tokens for r in ok),
         "guided": sum(r.guided for r in ok),
         "guided_parsed": sum(r.guided and _parses(r.text) for r in ok),
+        "guided_cut": sum(r.guided and r.finish_reason == "length" for r in ok),  # max_tokens
         "output_tok_s": sum(r.output_tokens for r in ok) / span,
         "input_tok_s": sum(r.prompt_tokens for r in ok) / span,
         "request_s": len(ok) / span,
@@ -103,6 +105,9 @@ def summarize(config: BenchConfig, results: list[Result], duration: float) -> di
                 "cached_tokens": r.cached_tokens,
                 "conversation": r.conversation,
                 "turn": r.turn,
+                "guided": r.guided,
+                "finish_reason": r.finish_reason,
+                "tpot_ms": None if r.first is None or r.tpot is None else r.tpot * 1e3,
                 "error": r.error,
             }
             for r in results
@@ -119,7 +124,10 @@ def report(summary: dict[str, Any]) -> str:
         f"prefix cache: {summary['cached_tokens']} of {summary['input_tokens']} prompt tokens",
     ]
     if summary["guided"]:
-        lines.append(f"structured: {summary['guided_parsed']} of {summary['guided']} parse")
+        lines.append(
+            f"structured: {summary['guided_parsed']} of {summary['guided']} parse "
+            f"({summary['guided_cut']} cut short by max_tokens)"
+        )
     for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         p = summary[name]
         lines.append(

@@ -54,7 +54,9 @@ def test_half_the_requests_asking_for_json_of_a_schema(stack: Stack, tmp_path: P
     result, stdout, _ = bench(stack, tmp_path, *flags, "--guided-fraction", "0.5", "--seed", "2")
     assert (result["completed"], result["failed"]) == (10, 0)
     assert 0 < result["guided"] < 10 and result["guided_parsed"] == result["guided"]
-    assert f"structured: {result['guided']} of {result['guided']} parse" in stdout
+    assert f"structured: {result['guided']} of {result['guided']} parse (0 cut" in stdout
+    guided = [r for r in result["requests"] if r["guided"]]
+    assert len(guided) == result["guided"] and all(r["finish_reason"] == "stop" for r in guided)
 
 
 def test_poisson_arrivals_are_spread_over_time(stack: Stack, tmp_path: Path) -> None:
