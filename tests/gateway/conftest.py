@@ -52,6 +52,7 @@ class Stack:
     redis_url: str
     endpoint: str
     logs: Path
+    model: str = "tiny"
 
     @contextlib.contextmanager
     def gateway(
@@ -61,7 +62,7 @@ class Stack:
         answers HTTP (``/health`` may say 503); SIGINT, then SIGKILL, when done."""
         port = free_port()
         log = self.logs / f"gateway-{port}.log"
-        common = ["--model", "tiny", "--redis-url", redis_url or self.redis_url]
+        common = ["--model", self.model, "--redis-url", redis_url or self.redis_url]
         flags = (*common, "--kvstore", self.endpoint, "--port", str(port), *flags)
         environment = {"PAGEDSERVE_ADMIN_TOKEN": ADMIN_TOKEN, **(env or {})}
         with open(log, "wb") as out:
@@ -130,17 +131,24 @@ def wait_healthy(url: str, processes: list[subprocess.Popen[bytes]], timeout_s: 
 
 @contextlib.contextmanager
 def running_stack(
-    redis_url: str, logs: Path, db: int, kv_memory: str = "0.05GiB", *gateway_flags: str
+    redis_url: str,
+    logs: Path,
+    db: int,
+    kv_memory: str = "0.05GiB",
+    *gateway_flags: str,
+    model: str = "tiny",
 ) -> Iterator[Stack]:
-    """A whole stack on CPU (the kvstore, one worker, one gateway) on Redis database ``db``."""
+    """A whole stack on CPU (the kvstore, one worker, one gateway) on Redis database ``db``,
+    serving ``model`` (``tiny`` or a checkpoint directory, fp32)."""
     url = redis_url.rsplit("/", 1)[0] + f"/{db}"
-    kvstore, endpoint = start_kvstore("--model", "tiny", "--kv-memory", kv_memory)
+    dtype = [] if model == "tiny" else ["--dtype", "float32"]
+    kvstore, endpoint = start_kvstore("--model", model, "--kv-memory", kv_memory, *dtype)
     worker_log = open(logs / "worker.log", "wb")  # noqa: SIM115 (open for the stack's life)
-    common = ["--model", "tiny", "--redis-url", url, "--kvstore", endpoint]
+    common = ["--model", model, "--redis-url", url, "--kvstore", endpoint]
     worker = spawn_process(
-        "compute", [*common, "--device", "cpu"], stdout=worker_log, stderr=subprocess.STDOUT
+        "compute", [*common, "--device", "cpu", *dtype], stdout=worker_log, stderr=subprocess.STDOUT
     )
-    stack = Stack("", url, endpoint, logs)
+    stack = Stack("", url, endpoint, logs, model)
     try:
         with stack.gateway("--max-body-bytes", str(MAX_BODY_BYTES), *gateway_flags) as gateway:
             wait_healthy(gateway.url, [kvstore, worker, gateway.process], 180)
