@@ -21,6 +21,7 @@ whose byte-level tokenizer can spell JSON (the word-level one cannot).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import secrets
@@ -30,6 +31,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -106,14 +108,20 @@ def bench(
     """One run of the client. ``guided``: that fraction of the requests asks for JSON of a
     random schema; prompts are 16-256 words then (about 100-1500 tokens of the byte-level
     tokenizer, whose text would not re-encode to the drawn token ids)."""
-    command = [sys.executable, "-m", "pagedserve.cli", "bench", "--base-url", url, "--model", model]
-    command += ["--endpoint", "chat", "--seed", str(seed), "--num-requests", str(requests)]
+    flags = ["--model", model, "--endpoint", "chat", "--seed", str(seed)]
+    flags += ["--num-requests", str(requests)]
     if guided is None:
-        command += ["--tokenizer", str(model_dir), "--input-len", "64:1024"]
+        flags += ["--tokenizer", str(model_dir), "--input-len", "64:1024"]
     else:
-        command += ["--guided-fraction", str(guided), "--input-len", "16:256"]
-    command += ["--output-len", "32:512", "--result-json", str(out), "--no-progress"]
-    command += ["--ignore-eos" if ignore_eos else "--no-ignore-eos"]
+        flags += ["--guided-fraction", str(guided), "--input-len", "16:256"]
+    flags += ["--output-len", "32:512", "--ignore-eos" if ignore_eos else "--no-ignore-eos"]
+    return client(url, flags, out)
+
+
+def client(url: str, flags: list[str], out: Path) -> dict[str, Any]:
+    """`pagedserve bench --base-url url *flags` to its end (its report on stdout): its result."""
+    command = [sys.executable, "-m", "pagedserve.cli", "bench", "--base-url", url, *flags]
+    command += ["--result-json", str(out), "--no-progress"]
     subprocess.run(command, cwd=ROOT, check=True, timeout=3600)
     return dict(json.loads(out.read_text()))
 
@@ -142,18 +150,7 @@ def run_pagedserve(
 ) -> list[dict[str, Any]]:
     """The client's runs against one ``pagedserve up``: the standard workload, or one run per
     fraction of ``guided`` (same seed: the same prompts, a growing share of them guided)."""
-    port = free_port()
-    os.environ.setdefault(ADMIN_TOKEN_ENV, secrets.token_urlsafe(16))
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
-    command = [sys.executable, "-m", "pagedserve.cli", "up", "--device", "cuda", "--port"]
-    command += [str(port), "--model", str(model_dir), "--redis-dir", str(out.parent / "redis")]
-    process = subprocess.Popen(command, cwd=ROOT, env=env)
-    try:
-        wait_http(f"http://127.0.0.1:{port}/health", process, 900, ok=True)
-        url = f"http://127.0.0.1:{port}"
+    with pagedserve_up(str(model_dir), out.parent / "redis") as url:
         if guided is None:
             warm_up(url, model_dir.name, model_dir, out, ignore_eos=True)
             return [bench(url, model_dir.name, model_dir, requests, out, ignore_eos=True)]
@@ -164,17 +161,45 @@ def run_pagedserve(
             result = out.with_suffix(f".{fraction}.json")
             runs.append(bench(url, model_dir.name, model_dir, requests, result, True, 0, fraction))
         return runs
+
+
+@contextlib.contextmanager
+def pagedserve_up(
+    model: str, redis_dir: Path, device: str = "cuda", kvstore_args: str = ""
+) -> Iterator[str]:
+    """``pagedserve up`` of ``model`` on ``device`` (``kvstore_args``: extra kvstore flags), with
+    an admin token (``$PAGEDSERVE_ADMIN_TOKEN``, set if unset); its URL once healthy; stopped
+    (SIGINT) on leaving."""
+    port = free_port()
+    os.environ.setdefault(ADMIN_TOKEN_ENV, secrets.token_urlsafe(16))
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    command = [sys.executable, "-m", "pagedserve.cli", "up", "--device", device, "--port"]
+    command += [str(port), "--model", model, "--redis-dir", str(redis_dir)]
+    command += ["--endpoint", f"ipc:///tmp/pagedserve-bench-{port}.sock"]  # a kvstore of its own
+    if kvstore_args:
+        command += [f"--kvstore-args={kvstore_args}"]
+    process = subprocess.Popen(command, cwd=ROOT, env=env)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", process, 900, ok=True)
+        yield f"http://127.0.0.1:{port}"
     finally:
         stop(process)
 
 
-def reset_prefix_cache(url: str) -> None:
-    """``POST /admin/cache/reset`` with the admin token this script gave ``pagedserve up``."""
-    token = os.environ[ADMIN_TOKEN_ENV]
-    headers = {"Authorization": f"Bearer {token}"}
-    request = urllib.request.Request(f"{url}/admin/cache/reset", method="POST", headers=headers)
+def admin(url: str, path: str, method: str = "GET") -> Any:
+    """The admin API's JSON answer, with the admin token this script gave ``pagedserve up``."""
+    headers = {"Authorization": f"Bearer {os.environ[ADMIN_TOKEN_ENV]}"}
+    request = urllib.request.Request(f"{url}{path}", method=method, headers=headers)
     with urllib.request.urlopen(request, timeout=30) as response:
-        print(f"prefix cache reset: {response.read().decode()}")
+        return json.loads(response.read())
+
+
+def reset_prefix_cache(url: str) -> None:
+    """``POST /admin/cache/reset``."""
+    print(f"prefix cache reset: {json.dumps(admin(url, '/admin/cache/reset', 'POST'))}")
 
 
 def run_transformers(model_dir: Path, requests: int, out: Path) -> dict[str, Any]:

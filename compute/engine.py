@@ -68,6 +68,7 @@ RECOVERABLE = (KVStoreTimeout, KVStoreError, redis.RedisError, Diverged)
 RETRY_MAX_S = 5.0
 GATEWAY_MISSING_S = 5.0  # a gateway's liveness key missing this long: the gateway is gone
 POLL_S = 0.005  # a busy engine that found no new request looks again after this long
+TIMELINE_EVERY_S = 1.0  # how often a step carries the running totals to the kvstore
 
 
 class Engine:
@@ -109,6 +110,7 @@ class Engine:
         # tokens' host work), kvstore, redis_out (handing the records to the publisher)
         self.phase_s: dict[str, float] = defaultdict(float)
         self.steps = 0  # a counter
+        self._timeline_sent_at = 0.0
         self.publisher = Publisher(r)
         self.runner: ModelRunner | None = None
         self._pool: p.PoolInfo | None = None
@@ -230,6 +232,11 @@ class Engine:
             model.inflight = None
             outputs.append(model.process(launched))
         clock = self._phase("process", clock)
+        if clock - self._timeline_sent_at >= TIMELINE_EVERY_S:  # the admin page's step timeline
+            self._timeline_sent_at = clock
+            self.kvsync.timeline = p.StepTimeline(
+                self.steps, model.tokens_computed, model.device_s, dict(self.phase_s)
+            )
         sent = self.kvsync.send({seq_id for out in outputs for seq_id in out.computed})
         clock = self._phase("kvstore", clock)
         records = [record for out in outputs for record in out.records] + self._finals

@@ -62,6 +62,7 @@ class KVSync:
     # Waits until no launched step can still write the pool; called before a preemption, whose
     # swap-out reads the victim's blocks and whose freed blocks may go to another request.
     quiesce: Callable[[], None] = field(default=lambda: None)
+    timeline: p.StepTimeline | None = None  # the engine's totals, for the next step to carry
 
     def send(self, computed: set[str]) -> Sent:
         """Sends the step's forks and frees, reports the progress of every running sequence
@@ -98,7 +99,9 @@ class KVSync:
             tokens=tokens,
             resumes=[s.seq_id for s in to_place if s.status is SeqStatus.PREEMPTED],
             admits=[self._admit_item(s) for s in to_place if s.status is SeqStatus.WAITING],
+            timeline=self.timeline,
         )
+        self.timeline = None
         return Sent(body, self.kv.send(body), reporting)
 
     def receive(self, sent: Sent) -> list[Refusal]:

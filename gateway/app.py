@@ -1,13 +1,14 @@
 """The gateway's aiohttp app (``create_app``) and server (``run``: ``pagedserve gateway``).
 
 Routes: the OpenAI API (``gateway.openai_api``), ``GET /v1/models[/{id}]``, ``GET /health``,
-``GET /metrics``, the admin API (``gateway.admin``). ``/v1/*`` needs the API key when one is set
-(``--api-key`` or ``PAGEDSERVE_API_KEY``). Requests go to Redis (``contracts.queue_gateway``), the
-kvstore is asked only for health, capacity, metrics and the admin API. The server runs with
-aiohttp's handler cancellation on, so a client that disconnects cancels its handler, which aborts
-its request (``Generation.close``). On SIGINT/SIGTERM it closes its listening socket, answers new
-requests on open connections with 503, lets requests in flight finish for exactly
-``--shutdown-timeout-s``, then cuts the rest (error event and [DONE], or 503) and exits.
+``GET /metrics``, the admin API (``gateway.admin``) and its web page (``gateway.admin_page``).
+``/v1/*`` needs the API key when one is set (``--api-key`` or ``PAGEDSERVE_API_KEY``). Requests
+go to Redis (``contracts.queue_gateway``), the kvstore is asked only for health, capacity,
+metrics and the admin API. The server runs with aiohttp's handler cancellation on, so a client
+that disconnects cancels its handler, which aborts its request (``Generation.close``). On
+SIGINT/SIGTERM it closes its listening socket, answers new requests on open connections with 503,
+lets requests in flight finish for exactly ``--shutdown-timeout-s``, then cuts the rest (error
+event and [DONE], or 503) and exits.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import redis
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from gateway import admin, openai_api
+from gateway import admin, admin_page, openai_api
 from gateway.config import ADMIN_TOKEN_ENV, GatewayConfig
 from gateway.errors import APIError, Handler, error_middleware
 from gateway.kvclient import KVStoreError, KVStoreTimeout
@@ -53,6 +54,7 @@ def create_app(
             web.get("/health", health),
             web.get("/metrics", metrics),
             *admin.routes(),
+            *admin_page.routes(),
         ]
     )
     return app

@@ -9,6 +9,9 @@ one process):
 * read at scrape time from the kvstore (``GetStats``) and Redis: ``prefix_cache_queries_total``
   and ``prefix_cache_hits_total`` (tokens), ``kv_cache_usage_perc`` (GPU blocks in use, 0-1),
   ``cpu_cache_usage_perc`` (swap tier), ``num_preemptions_total{kind=swap|recompute}``,
+  ``prefix_cache_hits_by_tier_total{tier=gpu|cpu}`` (tokens; cpu: loaded back from the CPU
+  tier), ``prefix_cache_tier_blocks_total{event=demoted|demoted_at_eviction|dropped|loaded|
+  recomputed}``, ``cpu_prefix_cache_blocks`` (demoted prefix blocks held in the CPU tier),
   ``num_requests_running`` (requests holding GPU blocks), ``num_requests_swapped``,
   ``num_requests_waiting`` (in the Redis request stream but not running or swapped: queued, held
   by a worker before admission, or preempted for recompute), ``num_workers``, ``kvstore_up``.
@@ -81,6 +84,26 @@ class KVStoreCollector(Collector):
         for kind in ("swap", "recompute"):
             preemptions.add_metric([*values, kind], stats.preemptions.get(kind, 0))
         yield preemptions
+        by_tier = CounterMetricFamily(
+            PREFIX + "prefix_cache_hits_by_tier",
+            "prefix cache: prompt tokens found cached, by the tier that held them",
+            labels=[*labels, "tier"],
+        )
+        by_tier.add_metric([*values, "gpu"], stats.prefix_hit_tokens - stats.prefix_hit_tokens_cpu)
+        by_tier.add_metric([*values, "cpu"], stats.prefix_hit_tokens_cpu)
+        yield by_tier
+        events = CounterMetricFamily(
+            PREFIX + "prefix_cache_tier_blocks",
+            "prefix blocks moved between tiers: demoted ahead of eviction or at it, dropped from "
+            "both tiers, loaded back from the CPU, or recomputed instead of loaded",
+            labels=[*labels, "event"],
+        )
+        for event, count in sorted(stats.tier_counts.items()):
+            events.add_metric([*values, event], count)
+        yield events
+        yield gauge(
+            "cpu_prefix_cache_blocks", "demoted prefix blocks in the CPU tier", stats.cpu.cached
+        )
         yield gauge("kv_cache_usage_perc", "GPU KV blocks in use (0-1)", _ratio(stats.gpu))
         yield gauge("cpu_cache_usage_perc", "CPU swap blocks in use (0-1)", _ratio(stats.cpu))
         running = {base_request_id(r.req_id) for r in stats.requests if r.status == "running"}

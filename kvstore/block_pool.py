@@ -1,4 +1,5 @@
-"""Block pools: which block ids are free, in use (ref count > 0) or cached (ref 0, still hashed).
+"""Block pools: which block ids are free, in use (ref count > 0) or cached (ref 0, still hashed),
+for the GPU (``BlockPool``) and the CPU tier (``CpuTier``).
 
 Pure Python, no torch. A ``BlockPool`` only tracks ids; the bytes live in the pool tensor that
 ``kvstore.device`` owns. States of a block, exactly one at a time:
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict, deque
+from collections.abc import Iterator
 
 
 class NoFreeBlocks(Exception):
@@ -57,6 +59,10 @@ class BlockPool:
     def lru_order(self) -> list[int]:
         """Evictable blocks, next victim first."""
         return list(self._lru)
+
+    def lru_iter(self) -> Iterator[int]:
+        """Evictable blocks, next victim first, lazily (do not change the pool meanwhile)."""
+        return iter(self._lru)
 
     def allocate(self, n: int) -> tuple[list[int], list[int]]:
         """Takes ``n`` blocks (ref 1 each): free ones first, then the least recently used cached.
@@ -133,43 +139,100 @@ class BlockPool:
         assert self.num_free + self.num_cached_free + self.num_used == self.num_blocks
 
 
-class SwapSpace:
-    """The CPU tier: ids of blocks in the pinned host pool. One owner per block, no sharing.
+class CpuTier:
+    """The CPU tier's block ids (the bytes live in the pinned host pool ``kvstore.device`` owns).
 
-    Allocation takes the lowest free ids first so that a swap's blocks tend to form contiguous
-    runs, which the device copies in one transfer each.
+    States of a CPU block, exactly one at a time:
+
+    - free:    in the free set;
+    - swapped: owned by one preempted request (``allocate`` returned it; ``release`` frees it);
+    - demoted: holds a copy of a cached prefix block (``mark_demoted``), ref-less, in an LRU.
+      Swapped requests always win space: ``allocate`` takes free ids first, then evicts demoted
+      blocks oldest first and returns them so that the caller drops them from its prefix index.
+
+    Free ids are taken lowest first so that a swap's blocks tend to form contiguous runs, which
+    the device copies in one transfer each.
     """
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         self._free: set[int] = set(range(num_blocks))
         self._heap: list[int] = list(range(num_blocks))  # the same ids, lowest first
+        self._lru: OrderedDict[int, None] = OrderedDict()  # demoted; first = next victim
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
     @property
-    def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+    def num_demoted(self) -> int:
+        return len(self._lru)
 
-    def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise NoFreeBlocks(f"need {n} CPU blocks, {len(self._free)} free")
-        blocks = [heapq.heappop(self._heap) for _ in range(n)]
+    @property
+    def num_available(self) -> int:
+        """Blocks an allocation may take: free plus demoted."""
+        return len(self._free) + len(self._lru)
+
+    @property
+    def num_used(self) -> int:
+        """Blocks swapped requests hold."""
+        return self.num_blocks - len(self._free) - len(self._lru)
+
+    def is_demoted(self, block: int) -> bool:
+        return block in self._lru
+
+    def lru_order(self) -> list[int]:
+        """Demoted blocks, next victim first."""
+        return list(self._lru)
+
+    def next_victim(self) -> int | None:
+        """The demoted block the next allocation without free blocks would take."""
+        return next(iter(self._lru), None)
+
+    def allocate(self, n: int) -> tuple[list[int], list[int]]:
+        """Takes ``n`` blocks: free ones (lowest first), then the oldest demoted ones. Returns
+        ``(blocks, evicted)``: ``evicted`` held demoted prefixes, which the caller must drop
+        from its index. All or nothing."""
+        if n > self.num_available:
+            raise NoFreeBlocks(f"need {n} CPU blocks, {self.num_available} available")
+        take = min(n, len(self._free))
+        blocks = [heapq.heappop(self._heap) for _ in range(take)]
         self._free.difference_update(blocks)
-        return blocks
+        evicted = [self._lru.popitem(last=False)[0] for _ in range(n - take)]
+        return blocks + evicted, evicted
 
     def release(self, blocks: list[int]) -> None:
+        """Frees blocks a swapped request held."""
         for block in blocks:
-            if block in self._free or not 0 <= block < self.num_blocks:
+            if block in self._free or block in self._lru or not 0 <= block < self.num_blocks:
                 raise ValueError(f"double free of CPU block {block}")
             self._free.add(block)
             heapq.heappush(self._heap, block)
 
-    def check_integrity(self, used: list[int]) -> None:
-        """``used``: every CPU block some swapped request holds, per the manager."""
-        assert len(used) == len(set(used)), "a CPU block is held twice"
-        assert not set(used) & self._free, "a held CPU block is also free"
-        assert len(used) + len(self._free) == self.num_blocks, "CPU blocks leaked"
+    def mark_demoted(self, block: int) -> None:
+        """An allocated block now holds a demoted prefix copy: it joins the LRU's young end."""
+        if block in self._free or block in self._lru:
+            raise ValueError(f"CPU block {block} is not allocated")
+        self._lru[block] = None
+
+    def touch(self, block: int) -> None:
+        """A demoted block was hit: it becomes the youngest."""
+        self._lru.move_to_end(block)
+
+    def drop_demoted(self, block: int) -> None:
+        """A demoted block's prefix left the index: the block is free again."""
+        del self._lru[block]
+        self._free.add(block)
+        heapq.heappush(self._heap, block)
+
+    def check_integrity(self, swapped: list[int], demoted: list[int]) -> None:
+        """``swapped``: every CPU block some swapped request holds, per the manager;
+        ``demoted``: every CPU block the prefix index names."""
+        assert len(swapped) == len(set(swapped)), "a CPU block is held twice"
+        assert not set(swapped) & self._free, "a held CPU block is also free"
+        assert not set(swapped) & set(self._lru), "a held CPU block is also demoted"
+        assert sorted(demoted) == sorted(self._lru), "demoted blocks and the index disagree"
+        assert not self._free & set(self._lru), "a CPU block is both free and demoted"
+        total = len(swapped) + len(self._free) + len(self._lru)
+        assert total == self.num_blocks, "CPU blocks leaked"
         assert sorted(self._heap) == sorted(self._free), "CPU free heap out of sync"

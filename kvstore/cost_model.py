@@ -12,10 +12,11 @@ predictions and, once known, the actual cost.
 from __future__ import annotations
 
 import bisect
+import math
 from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
 
-from kvstore.protocol import PreemptMode
+from kvstore.protocol import DecisionKind, DecisionMode, PreemptMode
 
 Mode = PreemptMode  # "swap" | "recompute"
 
@@ -85,7 +86,10 @@ def interpolate(profile: list[tuple[int, float]], tokens: int) -> float:
 
 @dataclass(frozen=True)
 class Choice:
-    mode: Mode
+    """``predicted_swap_s``: the tier-move side (swap out + in for a preemption, swap-in for a
+    prefix load); ``predicted_recompute_s``: the prefill side."""
+
+    mode: DecisionMode
     reason: str
     predicted_swap_s: float | None
     predicted_recompute_s: float | None
@@ -114,15 +118,43 @@ def choose(
     return Choice("recompute", "recompute is cheaper", swap_s, recompute_s)
 
 
+def choose_prefix_load(
+    load_blocks: int,
+    recompute_tokens: int,
+    suffix_tokens: int,
+    calibration: SwapCalibration | None,
+    prefill_profile: list[tuple[int, float]],
+) -> Choice:
+    """A prefix hit reaches blocks that only the CPU tier holds: load ``load_blocks`` of them
+    back (swap-in), or let the worker recompute the ``recompute_tokens`` tokens they (and any
+    GPU blocks after them in the chain) cover? The request prefills ``suffix_tokens`` more tokens
+    either way, so recomputing costs the *marginal* prefill time ``P(recompute + suffix) -
+    P(suffix)`` of the worker's profile ``P``; loading costs the calibrated swap-in line."""
+    load_s = calibration.swap_in.seconds(load_blocks) if calibration is not None else None
+    recompute_s = None
+    if prefill_profile:
+        total = interpolate(prefill_profile, recompute_tokens + suffix_tokens)
+        base = interpolate(prefill_profile, suffix_tokens) if suffix_tokens else 0.0
+        recompute_s = max(total - base, 0.0)
+    if load_s is None:
+        return Choice("recompute", "no swap calibration", None, recompute_s)
+    if recompute_s is None:
+        return Choice("load", "no prefill profile from the worker", load_s, None)
+    if load_s <= recompute_s:
+        return Choice("load", "loading is cheaper", load_s, recompute_s)
+    return Choice("recompute", "recompute is cheaper", load_s, recompute_s)
+
+
 @dataclass
 class Decision:
     """One preemption, as decided; ``actual_s`` is filled in when the cost is known (swap: out +
     in, measured by the kvstore; recompute: reported by the worker that redid the prefill)."""
 
     id: int
+    kind: DecisionKind
     req_id: str
     at: float
-    mode: Mode
+    mode: DecisionMode
     reason: str
     blocks: int
     tokens: int
@@ -132,7 +164,7 @@ class Decision:
 
     @property
     def predicted_s(self) -> float | None:
-        return self.predicted_swap_s if self.mode == "swap" else self.predicted_recompute_s
+        return self.predicted_recompute_s if self.mode == "recompute" else self.predicted_swap_s
 
 
 class DecisionLog:
@@ -141,12 +173,22 @@ class DecisionLog:
     def __init__(self, capacity: int = 256) -> None:
         self._recent: deque[Decision] = deque(maxlen=capacity)
         self._by_id: dict[int, Decision] = {}
-        self.counts: Counter[str] = Counter({"swap": 0, "recompute": 0})
+        self.counts: Counter[str] = Counter({"swap": 0, "recompute": 0})  # preemptions
+        self.prefix_counts: Counter[str] = Counter({"load": 0, "recompute": 0})
         self._next_id = 0
 
-    def record(self, req_id: str, at: float, blocks: int, tokens: int, choice: Choice) -> Decision:
+    def record(
+        self,
+        req_id: str,
+        at: float,
+        blocks: int,
+        tokens: int,
+        choice: Choice,
+        kind: DecisionKind = "preempt",
+    ) -> Decision:
         decision = Decision(
             self._next_id,
+            kind,
             req_id,
             at,
             choice.mode,
@@ -161,7 +203,7 @@ class DecisionLog:
             self._by_id.pop(self._recent[0].id, None)
         self._recent.append(decision)
         self._by_id[decision.id] = decision
-        self.counts[choice.mode] += 1
+        (self.counts if kind == "preempt" else self.prefix_counts)[choice.mode] += 1
         return decision
 
     def add_actual(self, decision_id: int, seconds: float) -> None:
@@ -172,3 +214,174 @@ class DecisionLog:
 
     def recent(self) -> list[dict[str, object]]:
         return [asdict(d) for d in self._recent]
+
+
+# --------------------------------------------------------------------------- recalibration
+def fit_nonnegative(
+    samples: list[tuple[list[float], float]], floor_s: float | None = 3e-4
+) -> list[float]:
+    """Least-squares coefficients ``c >= 0`` of ``seconds ~ sum(c[i] * features[i])`` over
+    ``(features, seconds)`` samples, weighted by ``1 / max(seconds, floor_s)**2``: relative
+    errors down to ``floor_s`` (a 0.5 ms point counts as much as a 50 ms one; a 5 µs one, noise
+    next to any move, no more than a 100 µs one); ``floor_s`` None: plain least squares. Exact
+    for the few features it is meant for: the best of the unconstrained fits over every subset
+    of the features whose coefficients are all non-negative (the rest zero)."""
+    if not samples:
+        raise ValueError("no samples to fit")
+    width = len(samples[0][0])
+    weights = [1.0 if floor_s is None else 1.0 / max(y, floor_s) ** 2 for _, y in samples]
+    best: tuple[float, list[float]] = (math.inf, [0.0] * width)
+    for mask in range(1, 1 << width):
+        keep = [i for i in range(width) if mask >> i & 1]
+        xs = [[x[i] for i in keep] for x, _ in samples]
+        coef = _weighted_lstsq(xs, [y for _, y in samples], weights)
+        if coef is None or min(coef) < 0:
+            continue
+        full = [0.0] * width
+        for i, c in zip(keep, coef, strict=True):
+            full[i] = c
+        err = sum(
+            w * (sum(c * f for c, f in zip(full, x, strict=True)) - y) ** 2
+            for (x, y), w in zip(samples, weights, strict=True)
+        )
+        if err < best[0]:
+            best = (err, full)
+    return best[1]
+
+
+def _weighted_lstsq(xs: list[list[float]], ys: list[float], ws: list[float]) -> list[float] | None:
+    """Solves the normal equations ``(X^T W X) c = X^T W y`` (Gauss-Jordan, partial pivoting);
+    None when they are singular."""
+    k = len(xs[0])
+    a = [
+        [sum(w * x[i] * x[j] for x, w in zip(xs, ws, strict=True)) for j in range(k)]
+        + [sum(w * x[i] * y for x, y, w in zip(xs, ys, ws, strict=True))]
+        for i in range(k)
+    ]
+    for col in range(k):
+        pivot = max(range(col, k), key=lambda r: abs(a[r][col]))
+        scale = max(abs(a[r][c]) for r in range(k) for c in range(k)) or 1.0
+        if abs(a[pivot][col]) <= 1e-12 * scale:
+            return None
+        a[col], a[pivot] = a[pivot], a[col]
+        for r in range(k):
+            if r != col:
+                f = a[r][col] / a[col][col]
+                a[r] = [v - f * p for v, p in zip(a[r], a[col], strict=True)]
+    return [a[i][k] / a[i][i] for i in range(k)]
+
+
+def recompute_features(tokens: int, context: int, own_step: bool) -> list[float]:
+    """Features of the marginal time of recomputing ``tokens`` tokens after ``context`` cached
+    ones: what a step of its own costs (``own_step``: the request has no suffix to prefill
+    anyway, so the recompute adds a forward, or turns a decode-only step into a mixed one) and
+    its attention reading the context once (latency-bound for short chunks); the tokens
+    (weights, norms, MLPs); the attention the new tokens do, ``tokens * context + tokens**2 /
+    2`` (a suffix after them adds none: it attends to the range on either path)."""
+    step = 1.0 if own_step else 0.0
+    return [step, step * context, float(tokens), tokens * context + tokens * tokens / 2]
+
+
+@dataclass
+class CostRefit:
+    """Online recalibration: prices refitted to measured actual costs, each falling back to the
+    startup model's price (``prior``) until it has observations of ``min_points`` distinct
+    sizes. One line per ``busy`` state (whether the GPU runs other requests' steps meanwhile:
+    a load then competes with them, a recompute rides in their steps):
+
+    - move (swap-in for a prefix load, out + in for a preemption: one ``CostRefit`` each): a
+      ``fit_linear`` line over blocks;
+    - recompute: ``fit_nonnegative`` over ``recompute_features`` (a step of its own and its
+      context read, tokens, attention over the context). The worker's startup profile times
+      forwards of their own from context 0, eagerly: it has neither term.
+
+    Seeded with a profile of ``(tokens, context, busy, seconds)`` recompute points, off the grid
+    of ``bench/cost_sweep.py --recalibrate``, it cut the time lost on that grid on the H200
+    (1B-shaped, suffixes 0 and 512) from 346% to 1.1% of the oracle's: the startup profile, eager
+    and host-bound, is flat from 16 to 2048 tokens, so its marginal prices ``P(t + s) - P(s)`` are
+    near zero. Fits are cached until the next observation (a refit over 256 observations takes
+    ~4 ms of Python); observations are the last ``window`` of each kind and state."""
+
+    window: int = 256
+    min_points: int = 3
+    moves: dict[bool, deque[tuple[int, float]]] = field(default_factory=dict)
+    recomputes: dict[bool, deque[tuple[int, int, bool, float]]] = field(default_factory=dict)
+    _fits: dict[tuple[str, bool], list[float] | None] = field(default_factory=dict, repr=False)
+
+    def observe_move(self, blocks: int, busy: bool, seconds: float) -> None:
+        self.moves.setdefault(busy, deque(maxlen=self.window)).append((blocks, seconds))
+        self._fits.pop(("move", busy), None)
+
+    def observe_recompute(
+        self, tokens: int, context: int, busy: bool, seconds: float, suffix: int = 0
+    ) -> None:
+        """``seconds``: the marginal prefill time of recomputing ``tokens`` after ``context``
+        (``suffix``: the request's own tokens, prefilled after them on either path)."""
+        seen = self.recomputes.setdefault(busy, deque(maxlen=self.window))
+        seen.append((tokens, context, not suffix, seconds))
+        self._fits.pop(("recompute", busy), None)
+
+    def move_s(self, blocks: int, busy: bool, prior: float) -> float:
+        """Seconds to move ``blocks`` blocks (``prior`` until enough was observed)."""
+        key = ("move", busy)
+        if key not in self._fits:
+            seen = self.moves.get(busy, ())
+            enough = len({n for n, _ in seen}) >= self.min_points
+            line = fit_linear([(float(n), s) for n, s in seen]) if enough else None
+            self._fits[key] = [line.fixed_s, line.per_unit_s] if line else None
+        coef = self._fits[key]
+        return prior if coef is None else coef[0] + coef[1] * blocks
+
+    def recompute_s(
+        self, tokens: int, context: int, busy: bool, prior: float, suffix: int = 0
+    ) -> float:
+        """Marginal seconds to recompute ``tokens`` after ``context`` (``prior`` until enough
+        was observed)."""
+        key = ("recompute", busy)
+        if key not in self._fits:
+            seen = [(t, c, own, s) for t, c, own, s in self.recomputes.get(busy, ()) if s > 0]
+            enough = len({(t, c) for t, c, _, _ in seen}) >= self.min_points
+            samples = [(recompute_features(t, c, own), s) for t, c, own, s in seen]
+            self._fits[key] = fit_nonnegative(samples) if enough else None
+        coef = self._fits[key]
+        if coef is None:
+            return prior
+        x = recompute_features(tokens, context, not suffix)
+        return sum(c * f for c, f in zip(coef, x, strict=True))
+
+    def choose_prefix_load(
+        self,
+        load_blocks: int,
+        recompute_tokens: int,
+        context_tokens: int,
+        suffix_tokens: int,
+        busy: bool,
+        prior: Choice,
+    ) -> Choice:
+        """``choose_prefix_load`` again with the refitted prices; ``prior`` is its own answer,
+        whose predictions stand in where nothing was observed (and which stands when it had no
+        calibration or no profile)."""
+        if prior.predicted_swap_s is None or prior.predicted_recompute_s is None:
+            return prior
+        load_s = self.move_s(load_blocks, busy, prior.predicted_swap_s)
+        recompute_s = self.recompute_s(
+            recompute_tokens, context_tokens, busy, prior.predicted_recompute_s, suffix_tokens
+        )
+        if load_s <= recompute_s:
+            return Choice("load", "loading is cheaper (refitted)", load_s, recompute_s)
+        return Choice("recompute", "recompute is cheaper (refitted)", load_s, recompute_s)
+
+    def choose_preempt(
+        self, num_blocks: int, num_tokens: int, busy: bool, cpu_blocks_free: int, prior: Choice
+    ) -> Choice:
+        """``choose`` again with the refitted prices (this ``CostRefit`` observing swap out + in
+        seconds as its moves); ``prior`` is ``choose``'s answer, which stands when it had no
+        price to compare (nothing computed, no calibration or profile) or no CPU room."""
+        swap, recompute = prior.predicted_swap_s, prior.predicted_recompute_s
+        if swap is None or recompute is None or num_tokens == 0 or cpu_blocks_free < num_blocks:
+            return prior
+        swap_s = self.move_s(num_blocks, busy, swap)
+        recompute_s = self.recompute_s(num_tokens, 0, busy, recompute)
+        if swap_s <= recompute_s:
+            return Choice("swap", "swap is cheaper (refitted)", swap_s, recompute_s)
+        return Choice("recompute", "recompute is cheaper (refitted)", swap_s, recompute_s)

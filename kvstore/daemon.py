@@ -114,6 +114,22 @@ class KVStoreConfig:
             "latency per call (no wake-up), one CPU core kept busy"
         },
     )
+    cpu_prefix_cache: bool = field(
+        default=True,
+        metadata={
+            "help": "keep cached prefix blocks evicted from the GPU in the CPU tier (the "
+            "--swap-memory pool, shared with swapped requests, which always win space); a later "
+            "hit loads them back or recomputes them, whichever the cost model prices lower"
+        },
+    )
+    write_back_ahead: int = field(
+        default=256,
+        metadata={
+            "help": "with --cpu-prefix-cache, copy this many of the GPU's next eviction victims "
+            "to the CPU tier between calls, ahead of their eviction (0: copy only at eviction, "
+            "inside the call that evicts)"
+        },
+    )
     calibrate: bool = field(
         default=True,
         metadata={"help": "measure swap bandwidth at startup (the swap side of the cost model)"},
@@ -169,14 +185,24 @@ def build_service(config: KVStoreConfig) -> tuple[KVService, DevicePools]:
     )
     pools = DevicePools(geometry, config.block_size, num_blocks, num_cpu_blocks, device)
     manager = KVCacheManager(
-        num_blocks, num_cpu_blocks, config.block_size, config.admission_watermark
+        num_blocks,
+        num_cpu_blocks,
+        config.block_size,
+        config.admission_watermark,
+        config.cpu_prefix_cache,
     )
     if config.calibrate and num_cpu_blocks:
         manager.calibration = pools.calibrate()
         if manager.calibration is not None:
             out_bw, in_bw = manager.calibration.bandwidth_gbps()
             log.info("swap calibration: out %.2f GB/s, in %.2f GB/s", out_bw, in_bw)
-    service = KVService(manager, pools, config.lease_timeout_s, config.orphan_grace_s)
+    service = KVService(
+        manager,
+        pools,
+        config.lease_timeout_s,
+        config.orphan_grace_s,
+        write_back_ahead=config.write_back_ahead,
+    )
     return service, pools
 
 
@@ -310,6 +336,7 @@ class Daemon:
             if self.sock.poll(self.poll_ms):
                 identity, *frames = self.sock.recv_multipart()
                 self.sock.send_multipart([identity, self.reply_to(frames)])
+            service.between_calls()
             if time.monotonic() - last_tick >= 0.5:
                 service.tick()
                 self.refusals.flush()

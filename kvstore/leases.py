@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvstore.protocol import StepTimeline
+
 
 @dataclass
 class Worker:
@@ -14,6 +16,8 @@ class Worker:
     last_seen: float
     device: str = ""
     pid: int = 0
+    timeline: StepTimeline | None = None  # the last one its steps carried
+    timeline_at: float = 0.0
 
 
 class Leases:

@@ -1,5 +1,6 @@
-"""KVCacheManager: request -> block tables over one GPU ``BlockPool``, a ``PrefixIndex`` and a CPU
-``SwapSpace``. Pure Python, no torch; the daemon's single-threaded loop is its only caller.
+"""KVCacheManager: request -> block tables over a ``BlockStore`` (the GPU ``BlockPool``, the
+``CpuTier`` and the ``PrefixIndex``). Pure Python, no torch; the daemon's single-threaded loop is
+its only caller.
 
 Contracts:
 - A request's tokens are ``token_ids``; the KV of ``token_ids[:num_computed]`` is written. The
@@ -11,12 +12,22 @@ Contracts:
   ordered with its writes, no cross-process synchronisation.
 - Swap: ``preempt``/``resume`` return a ``TransferPlan``; **the daemon executes it before its next
   call into the manager** (the manager has already released the source ids).
+- CPU prefix tier: demotions and loads of prefix blocks queue in ``store.pending``; the daemon
+  runs ``take_pending()`` before any other plan and before it replies (see ``BlockStore``).
 """
 
 from __future__ import annotations
 
-from kvstore.block_pool import BlockPool, NoFreeBlocks, SwapSpace
-from kvstore.cost_model import DecisionLog, Mode, SwapCalibration, choose
+from kvstore.block_pool import BlockPool, CpuTier
+from kvstore.block_store import BlockStore
+from kvstore.cost_model import (
+    Choice,
+    DecisionLog,
+    Mode,
+    SwapCalibration,
+    choose,
+    choose_prefix_load,
+)
 from kvstore.integrity import check_integrity
 from kvstore.prefix_index import LookupResult, PrefixIndex, content_hash, index_key
 from kvstore.requests import (
@@ -32,19 +43,39 @@ from kvstore.requests import (
 
 class KVCacheManager:
     def __init__(
-        self, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int = 16, watermark: float = 0.0
+        self,
+        num_gpu_blocks: int,
+        num_cpu_blocks: int,
+        block_size: int = 16,
+        watermark: float = 0.0,
+        cpu_prefix_cache: bool = False,
     ) -> None:
         """``watermark``: the fraction of GPU blocks that admission and resume leave free, so that
-        running requests can still grow (appends may use them)."""
+        running requests can still grow (appends may use them). ``cpu_prefix_cache``: evicted
+        prefix blocks are kept in the CPU tier (see ``BlockStore``)."""
         self.block_size = block_size
         self.watermark_blocks = int(num_gpu_blocks * watermark)
-        self.pool = BlockPool(num_gpu_blocks)
-        self.swap = SwapSpace(num_cpu_blocks)
-        self.index = PrefixIndex(block_size)
+        self.store = BlockStore(num_gpu_blocks, num_cpu_blocks, block_size, cpu_prefix_cache)
         self.decisions = DecisionLog()
         self.requests: dict[str, Request] = {}
         self.calibration: SwapCalibration | None = None
         self.prefill_profiles: dict[str, list[tuple[int, float]]] = {}
+
+    @property
+    def pool(self) -> BlockPool:
+        return self.store.pool
+
+    @property
+    def cpu(self) -> CpuTier:
+        return self.store.cpu
+
+    @property
+    def index(self) -> PrefixIndex:
+        return self.store.index
+
+    def take_pending(self) -> TransferPlan:
+        """Demotion and load copies queued since the last call: run them now, swap-outs first."""
+        return self.store.take_pending()
 
     # ------------------------------------------------------------------ admission
     def admit(
@@ -54,16 +85,19 @@ class KVCacheManager:
         token_ids: list[int],
         salt: bytes | None,
         reuse_prefix: bool = True,
+        now: float = 0.0,
     ) -> Placement:
         """New request: reuse its longest cached prefix (unless ``reuse_prefix`` is False, for
-        this placement and any after a preemption), allocate blocks for every other token."""
+        this placement and any after a preemption), allocate blocks for every other token. A
+        prefix that goes on in the CPU tier is loaded back (queued in ``take_pending``) or left
+        for the worker to recompute, as the cost model says."""
         if req_id in self.requests:
             raise KVError("duplicate_request", f"request {req_id!r} already exists")
         if not token_ids:
             raise KVError("bad_argument", "a request needs at least one token")
         request = Request(req_id, worker, salt, list(token_ids), reuse_prefix=reuse_prefix)
         self._extend_hashes(request)
-        placement = self._place(request, record=True)
+        placement = self._place(request, record=True, now=now)
         self.requests[req_id] = request
         return placement
 
@@ -98,7 +132,7 @@ class KVCacheManager:
         request.worker, request.orphaned_at = worker, None
         if not reuse_prefix:
             self.pool.release(request.block_ids)
-            self.swap.release(request.cpu_block_ids)
+            self.cpu.release(request.cpu_block_ids)
             request.block_ids, request.cpu_block_ids = [], []
             request.num_computed = request.num_registered = 0
             request.status, request.reuse_prefix = Status.DROPPED, False
@@ -117,22 +151,31 @@ class KVCacheManager:
         watermark (when every other block is free or cached, it fits)."""
         return self.pool.num_blocks - self.watermark_blocks
 
-    def _place(self, request: Request, record: bool) -> Placement:
+    def _place(self, request: Request, record: bool, now: float = 0.0) -> Placement:
         """Prefix lookup + allocation of the rest; sets the request RUNNING. All or nothing.
-        Raises ``too_large`` if the request can never be placed, ``no_space`` if not now."""
-        total = cdiv(len(request.token_ids), self.block_size)
+        Raises ``too_large`` if the request can never be placed, ``no_space`` if not now. Only
+        an admission (``record``) may load prefix blocks back from the CPU tier."""
+        bs, num_tokens = self.block_size, len(request.token_ids)
+        total = cdiv(num_tokens, bs)
         if total > self.admission_limit_blocks:
             raise KVError(
                 "too_large",
-                f"{len(request.token_ids)} tokens need {total} KV blocks; one request may hold "
+                f"{num_tokens} tokens need {total} KV blocks; one request may hold "
                 f"at most {self.admission_limit_blocks} ({self.pool.num_blocks} in the pool, "
                 f"{self.watermark_blocks} kept free)",
             )
-        hit = LookupResult([], "no_entry")  # uncounted: the request asked for no reuse
+        hit = LookupResult([], [], "no_entry")  # uncounted: the request asked for no reuse
         if request.reuse_prefix:
-            hit = self.index.lookup(request.keys, request.contents, len(request.token_ids), record)
-        needed = cdiv(len(request.token_ids), self.block_size) - len(hit.blocks)
-        evictable_hits = sum(1 for b in hit.blocks if self.pool.ref_counts[b] == 0)
+            hit = self.index.lookup(request.keys, request.contents, num_tokens, record)
+        used = hit.gpu_run
+        missing = [i for i in range(used, len(hit.gpu)) if hit.gpu[i] is None]
+        choice = self._prefix_choice(request, hit, missing) if record and missing else None
+        load = choice is not None and choice.mode == "load"
+        if load:
+            used = len(hit.gpu)
+        gpu_hits = [b for b in hit.gpu[:used] if b is not None]
+        needed = total - len(gpu_hits)
+        evictable_hits = sum(1 for b in gpu_hits if self.pool.ref_counts[b] == 0)
         available = self.pool.num_available - evictable_hits - self.watermark_blocks
         if needed > available:
             raise KVError(
@@ -140,17 +183,52 @@ class KVCacheManager:
                 f"need {needed} blocks, {available} available above the "
                 f"{self.watermark_blocks}-block watermark",
             )
-        for block in hit.blocks:
+        if choice is not None:
+            self._record_prefix_decision(request, hit, missing, choice, now)
+        for block in gpu_hits:
             self.pool.ref(block)
-        request.block_ids = hit.blocks + self._allocate(needed)
-        request.num_computed = len(hit.blocks) * self.block_size
-        request.num_registered = len(hit.blocks)
+        table: list[int | None] = list(hit.gpu[:used])
+        if load:
+            keys = [request.keys[i] for i in missing]
+            cpu_blocks = [hit.cpu[i] for i in missing]
+            loaded, plan = self.store.load(keys, cpu_blocks)  # type: ignore[arg-type]
+            for i, block in zip(missing, loaded, strict=True):
+                table[i] = block
+            self.store.pending.swap_in.extend(plan.swap_in)
+            assert request.decision_id is not None
+            self.store.pending.decisions[request.decision_id] = len(loaded)
+        request.block_ids = [b for b in table if b is not None] + self.store.allocate(total - used)
+        assert len(request.block_ids) == total
+        request.num_computed = used * bs
+        request.num_registered = used
         if record:  # the hit the client sees is the one at admission
             request.num_cached_tokens = request.num_computed
+            self.index.count_hits(request.keys[:used], len(missing) if load else 0)
         request.status = Status.RUNNING
         return Placement(
             request.req_id, list(request.block_ids), request.num_computed, request.num_cached_tokens
         )
+
+    def _prefix_choice(self, request: Request, hit: LookupResult, missing: list[int]) -> Choice:
+        bs = self.block_size
+        return choose_prefix_load(
+            len(missing),
+            (len(hit.gpu) - hit.gpu_run) * bs,
+            len(request.token_ids) - len(hit.gpu) * bs,
+            self.calibration,
+            self.prefill_profiles.get(request.worker, []),
+        )
+
+    def _record_prefix_decision(
+        self, request: Request, hit: LookupResult, missing: list[int], choice: Choice, now: float
+    ) -> None:
+        tokens = (len(hit.gpu) - hit.gpu_run) * self.block_size
+        decision = self.decisions.record(
+            request.req_id, now, len(missing), tokens, choice, kind="prefix"
+        )
+        request.decision_id = decision.id
+        if choice.mode != "load":
+            self.store.counts["recomputed"] += len(missing)
 
     # ------------------------------------------------------------------ growth
     def append(
@@ -266,7 +344,7 @@ class KVCacheManager:
         ``worker`` None frees regardless of owner (lease reclamation, admin)."""
         request = self._get(req_id) if worker is None else self._owned(req_id, worker, None)
         self.pool.release(request.block_ids)
-        self.swap.release(request.cpu_block_ids)
+        self.cpu.release(request.cpu_block_ids)
         del self.requests[req_id]
 
     # ------------------------------------------------------------------ preemption
@@ -286,7 +364,7 @@ class KVCacheManager:
             request.num_computed,
             self.calibration,
             self.prefill_profiles.get(request.worker, []),
-            self.swap.num_free,
+            self.cpu.num_available,  # demoted prefixes make room for a swap
         )
         decision = self.decisions.record(
             request.req_id, now, len(blocks), request.num_computed, choice
@@ -294,7 +372,7 @@ class KVCacheManager:
         request.decision_id = decision.id
         request.preemptions += 1
         if choice.mode == "swap":
-            request.cpu_block_ids = self.swap.allocate(len(blocks))
+            request.cpu_block_ids = self.store.allocate_cpu(len(blocks))
             plan.swap_out.extend(zip(blocks, request.cpu_block_ids, strict=True))
             plan.decisions[decision.id] = len(blocks)
             request.status = Status.SWAPPED
@@ -304,7 +382,7 @@ class KVCacheManager:
         self.pool.release(blocks)
         request.block_ids = []
         request.num_registered = 0
-        return choice.mode
+        return "swap" if choice.mode == "swap" else "recompute"
 
     def resume(self, req_id: str, worker: str) -> tuple[Placement, TransferPlan]:
         """Gives a preempted request blocks again. Swapped: cached prefix blocks are reused, the
@@ -326,7 +404,7 @@ class KVCacheManager:
         )
         if request.decision_id is not None:
             plan.decisions[request.decision_id] = len(plan.swap_in)
-        self.swap.release(request.cpu_block_ids)
+        self.cpu.release(request.cpu_block_ids)
         request.cpu_block_ids = []
         request.num_computed = max(num_computed, placement.num_computed)
         self._reopen_last_token(request)
@@ -339,8 +417,11 @@ class KVCacheManager:
         )
         return placement, plan
 
-    def record_transfer(self, plan: TransferPlan, seconds: float) -> None:
-        """The measured time of an executed plan, shared among its decisions by blocks moved."""
+    def record_transfer(self, plan: TransferPlan, out_s: float, in_s: float) -> None:
+        """The measured times of an executed plan (swap-out and swap-in parts), shared among
+        its decisions by blocks moved. A plan's decisions own its swap-ins when it has any (a
+        resume, a prefix load: the swap-outs beside them are demotions), else its swap-outs."""
+        seconds = in_s if plan.swap_in else out_s
         moved = sum(plan.decisions.values())
         for decision_id, blocks in plan.decisions.items():
             self.decisions.add_actual(decision_id, seconds * blocks / moved if moved else 0.0)
@@ -374,14 +455,13 @@ class KVCacheManager:
         return expired
 
     def reset_prefix_cache(self) -> int:
-        """Unregisters every cached block (idle ones become free). Returns how many."""
-        blocks = self.index.clear()
-        for block in blocks:
-            self.pool.mark_uncached(block)
+        """Unregisters every cached block of both tiers (idle ones become free). Returns how
+        many."""
+        dropped = self.store.reset()
         for request in self.requests.values():
             if request.status is Status.RUNNING:  # its computed blocks are not offered again
                 request.num_registered = request.num_computed // self.block_size
-        return len(blocks)
+        return dropped
 
     def check_integrity(self) -> None:
         """Raises AssertionError unless every block is in exactly one state, ref counts equal the
@@ -405,13 +485,7 @@ class KVCacheManager:
         return request
 
     def _allocate(self, n: int) -> list[int]:
-        try:
-            blocks, evicted = self.pool.allocate(n)
-        except NoFreeBlocks as exc:  # callers check first; this is a guard
-            raise KVError("no_space", str(exc)) from exc
-        for block in evicted:
-            self.index.remove_block(block, evicted=True)
-        return blocks
+        return self.store.allocate(n)
 
     def _extend_hashes(self, request: Request) -> None:
         """Hashes every full block of known tokens not hashed yet."""
@@ -425,10 +499,10 @@ class KVCacheManager:
     def _register_computed(self, request: Request) -> None:
         """Offers newly computed full blocks to the prefix index (duplicates stay unregistered)."""
         for i in range(request.num_registered, request.num_computed // self.block_size):
-            block = request.block_ids[i]
             parent = request.keys[i - 1] if i else None
-            if self.index.register(block, request.keys[i], request.contents[i], parent, i):
-                self.pool.mark_cached(block)
+            self.store.register(
+                request.block_ids[i], request.keys[i], request.contents[i], parent, i
+            )
         request.num_registered = max(
             request.num_registered, request.num_computed // self.block_size
         )
@@ -469,5 +543,5 @@ class KVCacheManager:
             self.pool.release(request.block_ids[keep_blocks:])
             del request.block_ids[keep_blocks:]
         elif request.status is Status.SWAPPED:
-            self.swap.release(request.cpu_block_ids[keep_blocks:])
+            self.cpu.release(request.cpu_block_ids[keep_blocks:])
             del request.cpu_block_ids[keep_blocks:]

@@ -13,8 +13,9 @@ from typing import Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 3  # 2: Call.token; the wire's codes and kinds are closed sets (Literal).
-# 3: AdmitItem.reuse_prefix, Step.finals
+PROTOCOL_VERSION = 4  # 2: Call.token; the wire's codes and kinds are closed sets (Literal).
+# 3: AdmitItem.reuse_prefix, Step.finals. 4: the CPU prefix tier (Stats fields, DecisionRow.kind,
+# GetBlockMap, GetBlockInfo, Step.timeline, WorkerRow.timeline)
 
 PoolKind = Literal["shm", "cuda_ipc"]
 ErrorCode = Literal["bad_message", "version", "unauthorized", "unknown_worker", "internal"]
@@ -30,6 +31,13 @@ ItemCode = Literal[
     "bad_argument",
 ]
 PreemptMode = Literal["swap", "recompute"]
+# What a decision chose: a preemption swaps or drops; a prefix hit in the CPU tier loads the
+# blocks back ("load") or lets the worker recompute their tokens ("recompute").
+DecisionMode = Literal["swap", "recompute", "load"]
+DecisionKind = Literal["preempt", "prefix"]
+# One byte per block in ``BlockMap``: what the block holds now.
+BlockState = Literal["free", "running", "cached", "swapped", "demoted"]
+BLOCK_STATES: tuple[BlockState, ...] = ("free", "running", "cached", "swapped", "demoted")
 RequestStatus = Literal["running", "swapped", "dropped"]
 Tier = Literal["gpu", "cpu"]
 
@@ -121,6 +129,17 @@ class TokenBatch(_Item):
     num_computed: list[int]
 
 
+class StepTimeline(_Item):
+    """A worker's running totals since it started: steps, tokens computed, device seconds and
+    host seconds per engine phase (``compute.engine``). The admin page turns two of them into
+    per-step milliseconds."""
+
+    steps: int
+    tokens: int
+    device_s: float
+    phase_s: dict[str, float]
+
+
 class ForkItem(_Item):
     parent_id: str
     child_ids: list[str]
@@ -156,6 +175,7 @@ class Step(_Msg):
     costs: list[CostReport] = []
     tokens: TokenBatch | None = None
     finals: list[AppendItem] = []
+    timeline: StepTimeline | None = None  # at most about once a second
 
 
 class GetStats(_Msg):
@@ -170,7 +190,28 @@ class Ping(_Msg):
     pass
 
 
-Request = Register | Heartbeat | Unregister | Step | GetStats | ResetCache | Ping
+class GetBlockMap(_Msg):
+    """Every block's state, one byte each (an index into ``BLOCK_STATES``), for both tiers."""
+
+
+class GetBlockInfo(_Msg):
+    """What one block holds: its owners, and the prefix it caches if any."""
+
+    tier: Tier
+    block: int
+
+
+Request = (
+    Register
+    | Heartbeat
+    | Unregister
+    | Step
+    | GetStats
+    | ResetCache
+    | Ping
+    | GetBlockMap
+    | GetBlockInfo
+)
 
 
 class Call(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -278,9 +319,10 @@ class RequestRow(_Item):
 
 class DecisionRow(_Item):
     id: int
+    kind: DecisionKind
     req_id: str
     at: float
-    mode: PreemptMode
+    mode: DecisionMode
     reason: str
     blocks: int
     tokens: int
@@ -305,6 +347,8 @@ class WorkerRow(_Item):
     idle_s: float
     requests: int
     prefill_profile: list[tuple[int, float]]
+    timeline: StepTimeline | None  # the last one the worker sent
+    timeline_age_s: float  # how long ago it came
 
 
 class Stats(_Msg):
@@ -323,6 +367,27 @@ class Stats(_Msg):
     calibration: Calibration | None
     decisions: list[DecisionRow]
     preemptions: dict[str, int]
+    prefix_hit_tokens_cpu: int  # of prefix_hit_tokens, those loaded back from the CPU tier
+    tier_counts: dict[str, int]  # demoted, demoted_at_eviction, dropped, loaded, recomputed
+    cpu_prefix_cache: bool  # whether evicted prefixes are kept in the CPU tier
+
+
+class BlockMap(_Msg):
+    """``gpu``/``cpu``: one byte per block, an index into ``BLOCK_STATES``."""
+
+    gpu: bytes
+    cpu: bytes
+
+
+class BlockInfo(_Msg):
+    tier: Tier
+    block: int
+    state: BlockState
+    owners: list[str]  # requests whose block table (or swap table) names it
+    prefix_key: str | None  # hex of its prefix-index key (first 16 digits), if cached
+    prefix_tokens: int  # tokens of the prefix that ends with this block; 0 if not cached
+    hits: int  # prefix-cache hits of this block
+    other_tier_block: int | None  # the same prefix's copy in the other tier, if any
 
 
 class CacheReset(_Msg):
@@ -333,7 +398,7 @@ class Pong(_Msg):
     uptime_s: float
 
 
-ReplyBody = Error | Ack | Registered | StepReply | Stats | CacheReset | Pong
+ReplyBody = Error | Ack | Registered | StepReply | Stats | CacheReset | Pong | BlockMap | BlockInfo
 
 # The reply each request gets when it succeeds (else an Error); the clients check it.
 REPLY_OF: dict[type[Request], type[ReplyBody]] = {
@@ -344,6 +409,8 @@ REPLY_OF: dict[type[Request], type[ReplyBody]] = {
     GetStats: Stats,
     ResetCache: CacheReset,
     Ping: Pong,
+    GetBlockMap: BlockMap,
+    GetBlockInfo: BlockInfo,
 }
 
 

@@ -8,6 +8,7 @@ from kvstore import protocol as p
 from kvstore.requests import Status
 
 if TYPE_CHECKING:
+    from kvstore.manager import KVCacheManager
     from kvstore.service import KVService
 
 
@@ -20,7 +21,7 @@ STATUS: dict[Status, p.RequestStatus] = {
 
 def build_stats(service: KVService, top: int, now: float) -> p.Stats:
     m = service.manager
-    pool, swap, index = m.pool, m.swap, m.index
+    pool, cpu, index = m.pool, m.cpu, m.index
     per_worker: dict[str, int] = {}
     for r in m.requests.values():
         per_worker[r.worker] = per_worker.get(r.worker, 0) + 1
@@ -30,7 +31,7 @@ def build_stats(service: KVService, top: int, now: float) -> p.Stats:
         block_bytes=service.mover.block_bytes,
         admission_limit_blocks=m.admission_limit_blocks,
         gpu=p.TierStats(pool.num_blocks, pool.num_free, pool.num_used, pool.num_cached_free),
-        cpu=p.TierStats(swap.num_blocks, swap.num_free, swap.num_used, 0),
+        cpu=p.TierStats(cpu.num_blocks, cpu.num_free, cpu.num_used, cpu.num_demoted),
         prefix_lookups=index.lookups,
         prefix_queried_tokens=index.queried_tokens,
         prefix_hit_tokens=index.hit_tokens,
@@ -61,6 +62,8 @@ def build_stats(service: KVService, top: int, now: float) -> p.Stats:
                 now - w.last_seen,
                 per_worker.get(w.worker_id, 0),
                 m.prefill_profiles.get(w.worker_id, []),
+                w.timeline,
+                now - w.timeline_at if w.timeline is not None else 0.0,
             )
             for w in service.leases.workers.values()
         ],
@@ -76,4 +79,67 @@ def build_stats(service: KVService, top: int, now: float) -> p.Stats:
         ),
         decisions=[p.DecisionRow(**d) for d in m.decisions.recent()],  # type: ignore[arg-type]
         preemptions=dict(m.decisions.counts),
+        prefix_hit_tokens_cpu=index.hit_tokens_cpu,
+        tier_counts=dict(m.store.counts),
+        cpu_prefix_cache=m.store.cpu_prefix_cache,
     )
+
+
+_CODE = {state: i for i, state in enumerate(p.BLOCK_STATES)}
+
+
+def block_map(m: KVCacheManager) -> p.BlockMap:
+    """One state byte per block of each tier (``p.BLOCK_STATES``)."""
+    pool, cpu = m.pool, m.cpu
+    running, cached, swapped = _CODE["running"], _CODE["cached"], _CODE["swapped"]
+    gpu = bytearray(pool.num_blocks)  # 0 = free
+    for block, ref in enumerate(pool.ref_counts):
+        if ref:
+            gpu[block] = running
+        elif pool.cached[block]:
+            gpu[block] = cached
+    host = bytearray(cpu.num_blocks)
+    for r in m.requests.values():
+        for block in r.cpu_block_ids:
+            host[block] = swapped
+    for block in cpu.lru_order():
+        host[block] = _CODE["demoted"]
+    return p.BlockMap(bytes(gpu), bytes(host))
+
+
+def block_info(m: KVCacheManager, tier: p.Tier, block: int) -> p.BlockInfo | p.Error:
+    """What one block holds; an ``Error`` for a block id outside its tier."""
+    size = m.pool.num_blocks if tier == "gpu" else m.cpu.num_blocks
+    if not 0 <= block < size:
+        return p.Error("bad_message", f"{tier} block {block} outside [0, {size})")
+    if tier == "gpu":
+        owners = [r.req_id for r in m.requests.values() if block in r.block_ids]
+        key = m.index.key_of_block(block)
+    else:
+        owners = [r.req_id for r in m.requests.values() if block in r.cpu_block_ids]
+        key = m.index.key_of_cpu_block(block)
+    state = p.BLOCK_STATES[block_map_state(m, tier, block, bool(owners))]
+    entry = m.index.entry(key) if key is not None else None
+    other = None
+    if entry is not None:
+        other = entry.cpu_block if tier == "gpu" else entry.block
+    return p.BlockInfo(
+        tier,
+        block,
+        state,
+        owners,
+        key.hex()[:16] if key is not None else None,
+        (entry.position + 1) * m.block_size if entry is not None else 0,
+        entry.hits if entry is not None else 0,
+        other,
+    )
+
+
+def block_map_state(m: KVCacheManager, tier: p.Tier, block: int, owned: bool) -> int:
+    if tier == "gpu":
+        if m.pool.ref_counts[block]:
+            return _CODE["running"]
+        return _CODE["cached"] if m.pool.cached[block] else _CODE["free"]
+    if owned:
+        return _CODE["swapped"]
+    return _CODE["demoted"] if m.cpu.is_demoted(block) else _CODE["free"]

@@ -10,6 +10,11 @@ output and input tokens per second (the usage the server reports with
 meeting ``--slo-ttft-ms`` and ``--slo-tpot-ms``). A progress line on stderr; the report on stdout;
 every figure in ``--result-json``.
 
+``--workload multi-turn`` holds conversations: each turn's prompt is the previous turn's prompt,
+the answer as this client received it and a new user message, sent once that answer is complete
+(``--think-time-s`` later); the report adds TTFT per turn, since only the first turn of a
+conversation finds nothing of it in the prefix cache.
+
 ``ignore_eos`` (a vLLM extension) makes outputs exactly ``max_tokens`` long; a server that rejects
 it (``transformers serve``) needs ``--no-ignore-eos`` and a model that does not stop early.
 """
@@ -59,7 +64,8 @@ class BenchConfig:
         metadata={"help": "the requests (see pagedserve/bench_workloads.py)", "choices": WORKLOADS},
     )
     num_requests: int = field(
-        default=128, metadata={"help": "requests to send (multi-turn: turns in all)"}
+        default=128,
+        metadata={"help": "requests to send (multi-turn: turns in all, unless --conversations)"},
     )
     input_len: str = field(
         default="64:1024",
@@ -69,6 +75,28 @@ class BenchConfig:
     prefix_len: int = field(default=512, metadata={"help": "shared-prefix: the prefix length"})
     num_prefixes: int = field(default=4, metadata={"help": "shared-prefix: distinct prefixes"})
     turns: int = field(default=4, metadata={"help": "multi-turn: turns per conversation"})
+    conversations: int = field(
+        default=0,
+        metadata={"help": "multi-turn: conversations (0: --num-requests // --turns)"},
+    )
+    first_prompt_len: str = field(
+        default="",
+        metadata={
+            "help": "multi-turn: the first turn's prompt lo:hi (each conversation's own random "
+            "system and user message; default --input-len)"
+        },
+    )
+    turn_prompt_len: str = field(
+        default="",
+        metadata={
+            "help": "multi-turn: the new user message of each later turn, lo:hi (default "
+            "--input-len); the prompt is the previous one, its answer and this"
+        },
+    )
+    think_time_s: float = field(
+        default=0.0,
+        metadata={"help": "multi-turn: pause between an answer and the next turn's request"},
+    )
     request_rate: float = field(
         default=math.inf,
         metadata={
@@ -77,7 +105,11 @@ class BenchConfig:
         },
     )
     max_concurrency: int = field(
-        default=0, metadata={"help": "requests in flight at most (0: no limit)"}
+        default=0,
+        metadata={
+            "help": "requests in flight at most (0: no limit); multi-turn: all conversations "
+            "start, one turn each in flight at most, waiting turns sent first come first served"
+        },
     )
     ignore_eos: bool = field(
         default=True, metadata={"help": "send ignore_eos (outputs of exactly max_tokens)"}
@@ -204,6 +236,8 @@ class Client:
             if not result.ok:
                 break  # a conversation does not go on past a failed turn
             history.append((turn.text, result.text))
+            if self.config.think_time_s > 0 and len(results) < len(turns):
+                await asyncio.sleep(self.config.think_time_s)
         return results
 
 
@@ -279,6 +313,9 @@ def run(config: BenchConfig) -> dict[str, Any]:
             config.prefix_len,
             config.num_prefixes,
             config.turns,
+            config.conversations,
+            parse_range(config.first_prompt_len) if config.first_prompt_len else None,
+            parse_range(config.turn_prompt_len) if config.turn_prompt_len else None,
         )
         groups = with_schemas(groups, config.guided_fraction, config.seed)
     except (ValueError, OSError) as err:

@@ -1,6 +1,6 @@
 """What ``pagedserve bench`` measures of each request (``Result``) and its report: percentiles of
 TTFT, TPOT, ITL and end to end, throughput, goodput under the SLOs, structured outputs that
-parse."""
+parse; for conversations (multi-turn), TTFT and the prefix-cache hit by turn."""
 
 from __future__ import annotations
 
@@ -75,6 +75,7 @@ def summarize(config: BenchConfig, results: list[Result], duration: float) -> di
         and (not config.slo_tpot_ms or (r.tpot or 0.0) * 1e3 <= config.slo_tpot_ms)
     ]
     span = max(duration, 1e-9)
+    prompt, cached = sum(r.prompt_tokens for r in ok), sum(r.cached_tokens for r in ok)
     return {
         "config": asdict(config),
         "completed": len(ok),
@@ -82,8 +83,9 @@ def summarize(config: BenchConfig, results: list[Result], duration: float) -> di
         "errors": sorted({r.error for r in results if r.error})[:5],
         "duration_s": duration,
         "output_tokens": sum(r.output_tokens for r in ok),
-        "input_tokens": sum(r.prompt_tokens for r in ok),
-        "cached_tokens": sum(r.cached_tokens for r in ok),
+        "input_tokens": prompt,
+        "cached_tokens": cached,
+        "cached_fraction": cached / max(prompt, 1),  # of the prompt tokens, hit in the cache
         "guided": sum(r.guided for r in ok),
         "guided_parsed": sum(r.guided and _parses(r.text) for r in ok),
         "guided_cut": sum(r.guided and r.finish_reason == "length" for r in ok),  # max_tokens
@@ -95,9 +97,11 @@ def summarize(config: BenchConfig, results: list[Result], duration: float) -> di
         "tpot_ms": percentiles(tpots),
         "itl_ms": percentiles(itls),
         "e2e_ms": percentiles([r.end - r.start for r in ok]),
+        **by_turn(ok),
         "requests": [
             {
                 "start_s": r.start,
+                "end_s": r.end,
                 "ttft_ms": r.ttft * 1e3 if r.ok else None,
                 "e2e_ms": (r.end - r.start) * 1e3,
                 "output_tokens": r.output_tokens,
@@ -134,8 +138,38 @@ def report(summary: dict[str, Any]) -> str:
             f"{name[:-3].upper():5} ms  p50 {p['p50']:.1f}  p90 {p['p90']:.1f}  "
             f"p99 {p['p99']:.1f}  mean {p['mean']:.1f}"
         )
+    turns = summary.get("turns") or {}
+    if turns:
+        p = summary["ttft_ms_later_turns"]
+        lines.append(f"TTFT ms of turns 2+  p50 {p['p50']:.1f}  p99 {p['p99']:.1f}")
+    for turn, row in turns.items():
+        lines.append(
+            f"  turn {turn}: {row['requests']} requests, TTFT ms p50 {row['ttft_ms']['p50']:.1f}"
+            f"  p99 {row['ttft_ms']['p99']:.1f}; prompt tokens {row['prompt_tokens']}, "
+            f"cached {row['cached_fraction']:.0%}"
+        )
     lines += [f"error: {e}" for e in summary["errors"]]
     return "\n".join(lines)
+
+
+def by_turn(ok: list[Result]) -> dict[str, Any]:
+    """For conversations (some request past its first turn): ``turns``, per turn (1-based):
+    requests, TTFT percentiles, prompt tokens and the fraction the prefix cache held; and
+    ``ttft_ms_later_turns``, the TTFT of every turn but the first. Nothing for single requests."""
+    if not any(r.turn > 0 for r in ok):
+        return {}
+    turns: dict[str, Any] = {}
+    for turn in sorted({r.turn for r in ok}):
+        rows = [r for r in ok if r.turn == turn]
+        prompt = sum(r.prompt_tokens for r in rows)
+        turns[str(turn + 1)] = {
+            "requests": len(rows),
+            "ttft_ms": percentiles([r.ttft for r in rows]),
+            "prompt_tokens": prompt,
+            "cached_fraction": sum(r.cached_tokens for r in rows) / max(prompt, 1),
+        }
+    later = percentiles([r.ttft for r in ok if r.turn > 0])
+    return {"turns": turns, "ttft_ms_later_turns": later}
 
 
 def _parses(text: str) -> bool:

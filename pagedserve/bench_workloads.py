@@ -9,9 +9,12 @@ OpenAI-compatible server takes them, on ``/v1/completions`` and on ``/v1/chat/co
   (both ``lo:hi`` ranges, uniform);
 - ``shared-prefix``: each request one of ``num_prefixes`` prefixes of ``prefix_len`` followed by
   a fresh part of ``input_len`` (the prefix cache's case);
-- ``multi-turn``: conversations of ``turns`` turns, each turn's prompt the whole history so far
-  (earlier prompts and the server's answers) plus a new user message; the turns of one
-  conversation run one after the other, conversations concurrently.
+- ``multi-turn``: ``conversations`` conversations of ``turns`` turns. A conversation opens
+  with a prompt of its own (``first_prompt_len``: a random system and user message, so no two
+  histories share more than the BOS); each later turn's prompt is the previous turn's whole
+  prompt, the answer the client received for it and a new user message of ``turn_prompt_len``.
+  The turns of one conversation run one after the other (the next is sent once the previous
+  answer is complete, after a think time), conversations concurrently.
 
 Any of them with a fraction of the requests asking for structured output (``with_schemas``).
 """
@@ -91,14 +94,21 @@ def build(
     prefix_len: int = 512,
     num_prefixes: int = 4,
     turns: int = 4,
+    conversations: int = 0,
+    first_prompt_len: tuple[int, int] | None = None,
+    turn_prompt_len: tuple[int, int] | None = None,
 ) -> list[list[Turn]]:
     """The requests, grouped: one group per conversation (multi-turn), else one per request.
-    Same arguments, same requests."""
+    Multi-turn: ``conversations`` of them (0: ``num_requests // turns``, at least one), the
+    first turn's text of ``first_prompt_len`` and the later ones' of ``turn_prompt_len`` (each
+    ``input_len`` if None). Same arguments, same requests."""
     rng = random.Random(seed)
     make = text(rng)
 
-    def one(conversation: int = -1, turn: int = 0, prefix: str = "") -> Turn:
-        body = make(rng.randint(*input_len))
+    def one(
+        conversation: int = -1, turn: int = 0, prefix: str = "", length: tuple[int, int] = input_len
+    ) -> Turn:
+        body = make(rng.randint(*length))
         return Turn(prefix + body, rng.randint(*output_len), conversation, turn)
 
     if workload == "random":
@@ -106,8 +116,13 @@ def build(
     if workload == "shared-prefix":
         prefixes = [make(prefix_len) + " " for _ in range(num_prefixes)]
         return [[one(prefix=prefixes[i % num_prefixes])] for i in range(num_requests)]
-    conversations = max(num_requests // turns, 1)
-    return [[one(c, t) for t in range(turns)] for c in range(conversations)]
+    if turns < 1 or conversations < 0:
+        raise ValueError(f"multi-turn: {turns} turns, {conversations} conversations")
+    count = conversations or max(num_requests // turns, 1)
+    first, later = first_prompt_len or input_len, turn_prompt_len or input_len
+    return [
+        [one(c, t, length=first if t == 0 else later) for t in range(turns)] for c in range(count)
+    ]
 
 
 def with_schemas(groups: list[list[Turn]], fraction: float, seed: int) -> list[list[Turn]]:

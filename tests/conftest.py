@@ -76,3 +76,20 @@ def entry_record(entry: StreamEntry) -> OutputRecord:
     rec = fields[b"rec"]
     assert isinstance(rec, bytes)
     return decode_output(rec)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Lists the files tests saved for people to look at (``record_property("artifact", path)``,
+    e.g. the admin page's screenshots), so CI's log shows where they are even without ``-s``."""
+    artifacts = [
+        str(value)
+        for reports in terminalreporter.stats.values()
+        for report in reports
+        if isinstance(report, pytest.TestReport) and report.when == "call"
+        for name, value in report.user_properties
+        if name == "artifact"
+    ]
+    if artifacts:
+        terminalreporter.write_sep("-", "test artifacts")
+        for path in artifacts:
+            terminalreporter.write_line(path)

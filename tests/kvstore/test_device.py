@@ -81,7 +81,7 @@ def test_swap_out_then_in_returns_identical_bytes_and_frees_cpu_blocks(pools: De
     service.handle(p.Step("w", appends=[p.AppendItem("a", [1], 90)]))
     reply = service.handle(p.Step("w", preempts=["a"]))
     assert isinstance(reply, p.StepReply)
-    assert reply.preempted == [("a", "swap")] and manager.swap.num_used == 6
+    assert reply.preempted == [("a", "swap")] and manager.cpu.num_used == 6
     # Make every freed block really free (no prefix-cache reuse at resume), then let others
     # overwrite them: all six blocks must come back from the CPU tier.
     reset = service.handle(p.ResetCache())
@@ -91,13 +91,62 @@ def test_swap_out_then_in_returns_identical_bytes_and_frees_cpu_blocks(pools: De
     assert isinstance(reply, p.StepReply)
     new_blocks = reply.resumed[0].block_ids
     assert reply.resumed[0].num_computed == 90
-    assert manager.swap.num_free == 16, "swap-in must free the CPU blocks"
+    assert manager.cpu.num_free == 16, "swap-in must free the CPU blocks"
     assert torch.equal(pools.pool[new_blocks].view(torch.int16), a_bytes.view(torch.int16))
     assert torch.equal(pools.pool[b_blocks].view(torch.int16), b_bytes.view(torch.int16))
     decision = manager.decisions.recent()[-1]
     actual_s = decision["actual_s"]
     assert decision["mode"] == "swap" and isinstance(actual_s, float) and actual_s > 0
     manager.check_integrity()
+
+
+def tier_round_trip(pools: DevicePools, write_back: int) -> None:
+    """A computed prompt is evicted from the GPU (demoted to the CPU tier, ahead of time when
+    ``write_back``, else at eviction) while other content overwrites its blocks; the same
+    prompt comes back as a prefix hit loaded from the CPU: its blocks must hold the exact bytes."""
+    manager = KVCacheManager(8, 4, 16, cpu_prefix_cache=True)
+    manager.calibration = pools.calibrate(sizes=(1, 4))
+    service = KVService(manager, pools, 60, 60, write_back_ahead=write_back)
+    service.handle(p.Register("w", [(16, 10.0)], "cpu", 0))  # recompute is dear: it loads
+    prompt = list(range(49))  # 3 full blocks + 1 token
+    reply = service.handle(p.Step("w", admits=[p.AdmitItem("a", prompt)]))
+    assert isinstance(reply, p.StepReply)
+    blocks = reply.admitted[0].block_ids
+    torch.manual_seed(2)
+    pools.pool[blocks] = torch.randn(pools.pool[blocks].shape).to(pools.pool.dtype)  # "computed"
+    expected = pools.pool[blocks[:3]].clone()
+    service.handle(p.Step("w", appends=[p.AppendItem("a", [], 49)], frees=[]))
+    service.handle(p.Step("w", frees=["a"]))
+    assert service.between_calls() == (3 if write_back else 0)
+    # 128 other tokens take every GPU block; the "worker" overwrites them all.
+    reply = service.handle(p.Step("w", admits=[p.AdmitItem("b", list(range(500, 628)))]))
+    assert isinstance(reply, p.StepReply) and len(reply.admitted[0].block_ids) == 8
+    pools.pool.fill_(-1.0)
+    assert manager.store.counts["demoted_at_eviction"] == (0 if write_back else 3)
+    service.handle(p.Step("w", frees=["b"]))
+    reply = service.handle(p.Step("w", admits=[p.AdmitItem("c", [*prompt, 9, 9])]))
+    assert isinstance(reply, p.StepReply)
+    [placed] = reply.admitted
+    assert placed.num_computed == 48 and placed.num_cached_tokens == 48
+    loaded = pools.pool[placed.block_ids[:3]]
+    assert torch.equal(loaded.view(torch.int16), expected.view(torch.int16))
+    decision = manager.decisions.recent()[-1]
+    assert decision["kind"] == "prefix" and decision["mode"] == "load"
+    assert isinstance(decision["actual_s"], float) and decision["actual_s"] > 0
+    stats = service.handle(p.GetStats())
+    assert isinstance(stats, p.Stats) and stats.prefix_hit_tokens_cpu == 48
+    assert stats.tier_counts["loaded"] == 3 and stats.cpu.cached == 3
+    manager.check_integrity()
+
+
+@pytest.mark.parametrize("write_back", [0, 8], ids=["demoted-at-eviction", "written-back"])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_demoted_prefix_comes_back_byte_exact(device: str, write_back: int) -> None:
+    pools = DevicePools(GEOMETRY, 16, num_blocks=8, num_cpu_blocks=4, device=device)
+    try:
+        tier_round_trip(pools, write_back)
+    finally:
+        pools.close()
 
 
 def test_second_process_maps_the_shm_pool(pools: DevicePools) -> None:

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from kvstore.block_pool import BlockPool, NoFreeBlocks, SwapSpace
+from kvstore.block_pool import BlockPool, CpuTier, NoFreeBlocks
 from kvstore.cost_model import LinearCost, SwapCalibration
 from kvstore.manager import KVCacheManager
 from kvstore.requests import KVError, Status
@@ -66,8 +66,8 @@ def test_pool_rejects_double_free_and_sharing_a_free_block() -> None:
         pool.release([b])
     with pytest.raises(ValueError, match="free"):
         pool.ref(b)
-    swap = SwapSpace(2)
-    assert swap.allocate(2) == [0, 1]
+    swap = CpuTier(2)
+    assert swap.allocate(2) == ([0, 1], [])
     swap.release([1])
     with pytest.raises(ValueError, match="double free"):
         swap.release([1])
@@ -203,7 +203,7 @@ def test_preempt_swap_then_resume_reuses_cached_prefix() -> None:
     placement, plan = m.resume("a", "w")
     # Blocks 0 and 1 were still cached on the GPU: only block 2 comes back from the CPU.
     assert placement.block_ids == [0, 1, 3] and placement.num_computed == 40
-    assert plan.swap_in == [(2, 3)] and m.swap.num_free == 8
+    assert plan.swap_in == [(2, 3)] and m.cpu.num_free == 8
     assert m.decisions.recent()[0]["mode"] == "swap"
     m.check_integrity()
 
@@ -223,7 +223,7 @@ def test_preempt_recompute_when_cheaper_or_cpu_full() -> None:
     assert placement.num_computed == 32  # the cached full blocks come back as hits
     m.calibration = SwapCalibration(1024, LinearCost(0.0, 1e-9), LinearCost(0.0, 1e-9))
     m.append("a", "w", [], 41)
-    m.swap.allocate(2)  # leave 2 CPU blocks for a request holding 3
+    m.cpu.allocate(2)  # leave 2 CPU blocks for a request holding 3
     assert m.preempt(["a"], "w", now=0.0)[0] == ["recompute"]
     assert m.decisions.recent()[-1]["reason"] == "CPU tier full"
     m.pool.check_integrity()

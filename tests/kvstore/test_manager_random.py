@@ -1,10 +1,13 @@
-"""Random admit/append/fork/free/preempt/resume/adopt sequences on tiny pools.
+"""Random admit/append/fork/free/preempt/resume/adopt/write-back sequences on tiny pools, with
+the CPU prefix tier on or off.
 
 Beside the manager the test keeps a *shadow pool*: what each GPU and CPU slot holds. It plays the
 worker (writes each token into its slot, performs copy-on-write copies) and the daemon (runs swap
-plans). After every step ``check_integrity()`` must pass and every computed token of every running
-request must be found in its slot: that catches a prefix hit on wrong bytes, a missing
-copy-on-write, a lost swap or a block reused while still held.
+plans, and the demotion and load copies the manager queues, right after each call, as the daemon
+does). After every step ``check_integrity()`` must pass, every computed token of every running
+request must be found in its slot, and both copies of a prefix held in two tiers must be equal:
+that catches a prefix hit on wrong bytes, a missing copy-on-write, a lost swap, a demotion that
+copied too late, a load from the wrong CPU block or a block reused while still held.
 """
 
 from __future__ import annotations
@@ -19,16 +22,18 @@ from kvstore.requests import KVError, Placement, Status, TransferPlan
 
 BS = 4
 tokens_st = st.lists(st.integers(0, 2), min_size=1, max_size=14)  # tiny vocab: prefixes repeat
+PROMPTS = [[1] * 9, [1] * 13, [2] * 4 + [1] * 5, [2] * 4 + [0] * 9, [0, 1, 2] * 4]
 
 
 class KVMachine(RuleBasedStateMachine):
     @initialize(
-        gpu=st.integers(4, 20),
+        gpu=st.integers(4, 12),
         cpu=st.integers(0, 12),
         swap_cost=st.sampled_from([1e-6, 1.0]),
+        tier=st.booleans(),
     )
-    def setup(self, gpu: int, cpu: int, swap_cost: float) -> None:
-        self.m = KVCacheManager(gpu, cpu, BS)
+    def setup(self, gpu: int, cpu: int, swap_cost: float, tier: bool) -> None:
+        self.m = KVCacheManager(gpu, cpu, BS, cpu_prefix_cache=tier)
         self.m.calibration = SwapCalibration(64, LinearCost(0, swap_cost), LinearCost(0, swap_cost))
         for worker in ("w1", "w2"):
             self.m.prefill_profiles[worker] = [(4, 0.01), (64, 0.16)]
@@ -55,6 +60,12 @@ class KVMachine(RuleBasedStateMachine):
         self.written[req_id] = upto
 
     def _run(self, plan: TransferPlan) -> None:
+        """Runs the manager's queued copies, then ``plan`` (each: swap-outs, then swap-ins)."""
+        pending = self.m.take_pending()
+        for part in (pending, plan):
+            self._copy(part)
+
+    def _copy(self, plan: TransferPlan) -> None:
         for g, c in plan.swap_out:
             self.cpu[c] = list(self.gpu[g])
         for c, g in plan.swap_in:
@@ -85,6 +96,7 @@ class KVMachine(RuleBasedStateMachine):
         except KVError as err:
             assert err.code == "no_space" and self.m.pool.num_available == before
             return
+        self._run(TransferPlan())  # demotions of what it evicted, loads of its prefix
         assert placement.num_computed % BS == 0 and placement.num_computed < len(tokens)
         assert reuse or placement.num_computed == 0
         self._placed(req_id, placement.block_ids, placement.num_computed)
@@ -101,6 +113,7 @@ class KVMachine(RuleBasedStateMachine):
         except KVError as err:
             assert err.code == "no_space"
             return False
+        self._run(TransferPlan())
         self._poison(growth.new_block_ids)
         for _, src, dst in growth.copies:
             self.gpu[dst] = list(self.gpu[src])
@@ -134,6 +147,7 @@ class KVMachine(RuleBasedStateMachine):
         self.gpu[block][position % BS] = token
         growth = self.m.append(req_id, r.worker, [token], position + 1)
         assert not growth.copies  # its block was its own
+        self._run(TransferPlan())
         self._poison(growth.new_block_ids)
         self.written[req_id] = position + 1
 
@@ -202,6 +216,7 @@ class KVMachine(RuleBasedStateMachine):
         except KVError as err:
             assert err.code == "no_space" and r.status is not Status.RUNNING
             return
+        self._run(TransferPlan())  # demotions first: fresh blocks may be just-evicted ones
         swapped_in = {g for _, g in plan.swap_in}
         fresh = [
             b for b in placement.block_ids if b not in swapped_in and not self.m.pool.cached[b]
@@ -224,6 +239,7 @@ class KVMachine(RuleBasedStateMachine):
         except KVError as err:
             assert err.code == "no_space"
         else:
+            self._run(TransferPlan())
             if not reuse:  # it starts over, in fresh blocks
                 assert placement.num_computed == 0
                 self._placed(req_id, placement.block_ids, 0)
@@ -243,11 +259,48 @@ class KVMachine(RuleBasedStateMachine):
     def reset_cache(self) -> None:
         self.m.reset_prefix_cache()
 
+    @rule(prompt=st.sampled_from(PROMPTS), free=st.booleans())
+    def serve_prompt(self, prompt: list[int], free: bool) -> None:
+        """A request from a small set of prompts sharing prefixes: admitted, its prompt
+        computed and reported (its blocks join the index), then freed or left running. Repeats
+        make prefix hits, evictions, demotions and loads back from the CPU tier."""
+        req_id = self._new_id()
+        try:
+            placement = self.m.admit(req_id, "w1", prompt, None)
+        except KVError as err:
+            assert err.code == "no_space"
+            return
+        self._run(TransferPlan())
+        self._placed(req_id, placement.block_ids, placement.num_computed)
+        self._write(req_id, len(prompt))
+        if self._append(req_id, []) and free:
+            self.m.free(req_id, "w1")
+            del self.written[req_id]
+
+    @rule(ahead=st.integers(0, 8), limit=st.integers(0, 4))
+    def write_back(self, ahead: int, limit: int) -> None:
+        """The daemon between calls: copies of the GPU LRU's next victims go to the CPU tier."""
+        queued = self.m.store.plan_write_back(ahead, limit)
+        assert queued <= min(ahead, limit)
+        self._run(TransferPlan())
+
     # -------------------------------------------------------------- invariants
     @invariant()
     def integrity(self) -> None:
         if hasattr(self, "m"):
             self.m.check_integrity()
+
+    @invariant()
+    def copies_in_both_tiers_are_equal(self) -> None:
+        if not hasattr(self, "m"):
+            return
+        for cpu_block in self.m.index.demoted_blocks():
+            key = self.m.index.key_of_cpu_block(cpu_block)
+            entry = self.m.index.entry(key) if key is not None else None
+            assert entry is not None
+            if entry.block is not None:
+                assert self.gpu[entry.block] == self.cpu[cpu_block], f"copies of {entry} differ"
+            assert None not in self.cpu[cpu_block], f"demoted CPU block {cpu_block} is partial"
 
     @invariant()
     def computed_tokens_are_in_their_slots(self) -> None:

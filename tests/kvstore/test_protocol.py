@@ -56,9 +56,12 @@ SAMPLES: list[msgspec.Struct] = [
     p.TierStats(10, 5, 3, 2),
     p.PrefixRow("abcd", 2048, 99, 7, "gpu"),
     p.RequestRow("r1", "w1", "running", 40, 40, 3, 0, 16, 1, False),
-    p.DecisionRow(0, "r1", 1.0, "swap", "swap is cheaper", 3, 40, 0.001, 0.01, None),
+    p.DecisionRow(0, "preempt", "r1", 1.0, "swap", "swap is cheaper", 3, 40, 0.001, 0.01, None),
+    p.DecisionRow(1, "prefix", "r2", 2.0, "load", "loading is cheaper", 4, 64, 0.001, 0.01, 0.002),
     p.Calibration(1024, 1e-5, 1e-6, 1e-5, 1e-6, [(1, 1e-5, 2e-5)]),
-    p.WorkerRow("w1", "cuda:0", 42, 0.5, 3, [(16, 0.001)]),
+    p.StepTimeline(3, 20, 0.01, {"launch": 0.002, "process": 0.001}),
+    p.WorkerRow("w1", "cuda:0", 42, 0.5, 3, [(16, 0.001)], None, 0.0),
+    p.WorkerRow("w2", "cpu", 7, 0.1, 0, [], p.StepTimeline(10, 80, 0.5, {"launch": 0.1}), 0.4),
     p.Stats(
         16,
         1024,
@@ -75,9 +78,16 @@ SAMPLES: list[msgspec.Struct] = [
         None,
         [],
         {"swap": 0},
+        16,
+        {"demoted": 2, "loaded": 1},
+        True,
     ),
     p.CacheReset(3),
     p.Pong(1.5),
+    p.GetBlockMap(),
+    p.GetBlockInfo("cpu", 3),
+    p.BlockMap(b"\x00\x01\x02", b"\x03\x04"),
+    p.BlockInfo("gpu", 2, "cached", [], "abcd", 32, 5, 7),
 ]
 
 
