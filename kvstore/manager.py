@@ -211,10 +211,13 @@ class KVCacheManager:
 
     def _prefix_choice(self, request: Request, hit: LookupResult, missing: list[int]) -> Choice:
         bs = self.block_size
+        # Priced with no suffix: on the H200 the worker's eager profile is host-bound (~9 ms flat
+        # from 16 to 2048 tokens), so the marginal price beside a suffix is ~0 and recompute won
+        # every time, 4-7x too cheap (bench/cost_sweep.py; BENCHMARKS.md, issue 13).
         return choose_prefix_load(
             len(missing),
             (len(hit.gpu) - hit.gpu_run) * bs,
-            len(request.token_ids) - len(hit.gpu) * bs,
+            0,
             self.calibration,
             self.prefill_profiles.get(request.worker, []),
         )

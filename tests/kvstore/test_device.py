@@ -113,7 +113,7 @@ def tier_round_trip(pools: DevicePools, write_back: int) -> None:
     assert isinstance(reply, p.StepReply)
     blocks = reply.admitted[0].block_ids
     torch.manual_seed(2)
-    pools.pool[blocks] = torch.randn(pools.pool[blocks].shape).to(pools.pool.dtype)  # "computed"
+    pools.pool[blocks] = torch.randn(pools.pool[blocks].shape).to(pools.pool)  # "computed"
     expected = pools.pool[blocks[:3]].clone()
     service.handle(p.Step("w", appends=[p.AppendItem("a", [], 49)], frees=[]))
     service.handle(p.Step("w", frees=["a"]))
