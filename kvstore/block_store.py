@@ -125,27 +125,31 @@ class BlockStore:
                 self.counts["dropped"] += 1
 
     # ------------------------------------------------------------------ prefix entries
-    def load(self, keys: list[bytes], cpu_blocks: list[int]) -> tuple[list[int], TransferPlan]:
-        """Promotes CPU-only entries: a fresh GPU block each (ref 1, registered), and the plan
-        copying ``cpu_blocks`` into them. The CPU copies stay (both tiers hold the keys)."""
+    def load(self, keys: list[bytes], cpu_blocks: list[int], decision_id: int) -> list[int]:
+        """Promotes CPU-only entries: a fresh GPU block each (ref 1, registered), and queues
+        the copies of ``cpu_blocks`` into them in ``pending`` (their time goes to
+        ``decision_id``). The CPU copies stay (both tiers hold the keys)."""
         self._loading.update(cpu_blocks)  # until the copies run (``take_pending``)
         blocks = self.allocate(len(keys))  # its evictions may demote: never into these
-        plan = TransferPlan(swap_in=list(zip(cpu_blocks, blocks, strict=True)))
         for key, block, cpu_block in zip(keys, blocks, cpu_blocks, strict=True):
             entry = self.index.entry(key)
             assert entry is not None and entry.block is None and entry.cpu_block == cpu_block
-            self.index.register(block, key, entry.content, entry.parent, entry.position)
-            self.pool.mark_cached(block)
+            registered = self.register(block, key, entry.content, entry.parent, entry.position)
+            assert registered, f"block {block} could not take key {key.hex()[:16]}"
             self.cpu.touch(cpu_block)
+        self.pending.swap_in.extend(zip(cpu_blocks, blocks, strict=True))
+        self.pending.decisions[decision_id] = len(blocks)
         self.counts["loaded"] += len(keys)
-        return blocks, plan
+        return blocks
 
     def register(
         self, block: int, key: bytes, content: bytes, parent: bytes | None, position: int
-    ) -> None:
-        """Offers a computed GPU block to the index (a duplicate stays unregistered)."""
-        if self.index.register(block, key, content, parent, position):
-            self.pool.mark_cached(block)
+    ) -> bool:
+        """Offers a GPU block to the index; False for a duplicate, which stays unregistered."""
+        if not self.index.register(block, key, content, parent, position):
+            return False
+        self.pool.mark_cached(block)
+        return True
 
     def reset(self) -> int:
         """Drops every cached prefix of both tiers. Returns how many entries' blocks left."""

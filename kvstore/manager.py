@@ -191,12 +191,10 @@ class KVCacheManager:
         if load:
             keys = [request.keys[i] for i in missing]
             cpu_blocks = [hit.cpu[i] for i in missing]
-            loaded, plan = self.store.load(keys, cpu_blocks)  # type: ignore[arg-type]
+            assert request.decision_id is not None
+            loaded = self.store.load(keys, cpu_blocks, request.decision_id)  # type: ignore[arg-type]
             for i, block in zip(missing, loaded, strict=True):
                 table[i] = block
-            self.store.pending.swap_in.extend(plan.swap_in)
-            assert request.decision_id is not None
-            self.store.pending.decisions[request.decision_id] = len(loaded)
         request.block_ids = [b for b in table if b is not None] + self.store.allocate(total - used)
         assert len(request.block_ids) == total
         request.num_computed = used * bs
