@@ -153,17 +153,46 @@ def one_run(
     result with ``/admin/cache`` after it."""
     kvstore = f"--kv-memory {plan.kv_memory} --swap-memory {args.swap_memory or plan.swap_gib()}"
     kvstore += f" {flag}" if flag else ""
+    kvstore += f" {args.kvstore_args}" if args.kvstore_args else ""
     print(f"== CPU tier {name}: pagedserve up --kvstore-args='{kvstore}'", flush=True)
     with pagedserve_up(model, args.out / f"redis-{name}", args.device, kvstore) as url:
         warmup = args.out / f"{name}.warmup.json"
         client(url, client_flags(args, model, args.seed + 1, short=True), warmup)
         print(f"prefix cache reset: {json.dumps(admin(url, '/admin/cache/reset', 'POST'))}")
         out = args.out / f"{name}.json"
+        before = timelines(url)
         result = client(url, client_flags(args, model, args.seed, short=False), out)
         result["admin_cache"] = admin(url, "/admin/cache?top=0")
+        result["worker_timeline"] = timeline_delta(before, timelines(url))
     cache = {k: v for k, v in result["admin_cache"].items() if k != "top_prefixes"}
     print(f"/admin/cache after the run (tier {name}): {json.dumps(cache)}", flush=True)
+    print(f"worker step timeline over the run (tier {name}): {result['worker_timeline']}")
     return result
+
+
+def timelines(url: str) -> dict[str, Any]:
+    """The workers' running step totals (``/admin/requests``), by worker id."""
+    return {w["worker_id"]: w["timeline"] for w in admin(url, "/admin/requests")["workers"]}
+
+
+def timeline_delta(before: dict[str, Any], after: dict[str, Any]) -> str:
+    """Steps, tokens, device and host ms per phase between two ``timelines`` (the engines
+    send their totals about once a second: the last second of the run may be missing)."""
+    parts = []
+    for worker, end in after.items():
+        start = before.get(worker) or {"steps": 0, "tokens": 0, "device_s": 0.0, "phase_s": {}}
+        if not end:
+            continue
+        steps = end["steps"] - start["steps"]
+        phases = {
+            k: round((v - start["phase_s"].get(k, 0.0)) * 1e3) for k, v in end["phase_s"].items()
+        }
+        device_ms = round((end["device_s"] - start["device_s"]) * 1e3)
+        tokens = end["tokens"] - start["tokens"]
+        parts.append(
+            f"{worker}: {steps} steps, {tokens} tokens, device {device_ms} ms, host ms {phases}"
+        )
+    return "; ".join(parts)
 
 
 def table(results: dict[str, dict[str, Any]]) -> str:
@@ -221,6 +250,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ratio", type=float, default=3.0, help="all histories / GPU pool")
     parser.add_argument("--swap-memory", default="", help="GiB; empty: 1.5x the histories")
     parser.add_argument("--runs", default="off,on", help="which runs, in order: off,on")
+    parser.add_argument("--kvstore-args", default="", help="more flags for both runs' kvstore")
     parser.add_argument("--seed", type=int, default=0, help="the workload's")
     parser.add_argument(
         "--out", type=Path, default=Path("/tmp/pagedserve-multi-turn"), help="checkpoint, results"

@@ -49,6 +49,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from compute.grammar import GrammarError, Grammars
 from compute.kvsync import Diverged, KVSync
 from compute.model_step import ModelStep
+from compute.profile import RecomputeProfile
 from compute.publisher import Publisher
 from compute.registry import Requests
 from compute.requests import Active, output_record
@@ -84,13 +85,15 @@ class Engine:
         claim_idle_ms: int = queue_keys.CLAIM_IDLE_MS,
         cuda_graph_max_batch: int = 0,
         cuda_graph_max_tokens: int = 0,
+        recompute_profile: RecomputeProfile | None = None,
     ) -> None:
         """Registers at the kvstore, maps its pool and takes back the requests a previous
         process under ``worker_id`` left pending. ``claim_idle_ms``: a pending request untouched
         this long belongs to a dead worker and this one takes it over (live workers renew theirs
         every ``claim_idle_ms / 4``). ``cuda_graph_max_batch``: decode steps up to that size
         replay CUDA graphs; ``cuda_graph_max_tokens``: other steps up to that many tokens
-        replay piecewise graphs (CUDA only, ``ModelRunner``)."""
+        replay piecewise graphs (CUDA only, ``ModelRunner``). The profiles go to the kvstore's
+        cost model (``compute.profile``)."""
         self.worker_id = worker_id
         self.model = model
         self.tokenizer = tokenizer
@@ -98,6 +101,7 @@ class Engine:
         self.redis = r
         self.config = config
         self.prefill_profile = prefill_profile
+        self.recompute_profile = recompute_profile or RecomputeProfile([], [])
         self.claim_idle_ms = claim_idle_ms
         self.cuda_graph_max_batch = cuda_graph_max_batch
         self.cuda_graph_max_tokens = cuda_graph_max_tokens
@@ -122,7 +126,14 @@ class Engine:
         """Registers (mapping the pool when it is new), starts from empty state and takes back
         this worker's pending requests from Redis (``redeliver``: as a new delivery)."""
         reply = self.kv.call(
-            p.Register(self.worker_id, self.prefill_profile, str(self.model.device), os.getpid())
+            p.Register(
+                self.worker_id,
+                self.prefill_profile,
+                str(self.model.device),
+                os.getpid(),
+                self.recompute_profile.points,
+                self.recompute_profile.graph_buckets,
+            )
         )
         if reply.pool != self._pool:
             self._map(reply.pool)

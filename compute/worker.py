@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from compute.engine import Engine
+    from compute.profile import RecomputeProfile
     from kvstore.client import KVClient
 
 log = logging.getLogger("pagedserve.compute")
@@ -89,7 +90,7 @@ def run(config: ComputeConfig, scheduling: SchedulerConfig) -> None:
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     from compute.models import load_model
-    from compute.profile import measure_prefill
+    from compute.profile import measure_prefill, measure_recompute
     from contracts.model_config import resolve_device
     from kvstore.client import KVClient
 
@@ -97,13 +98,15 @@ def run(config: ComputeConfig, scheduling: SchedulerConfig) -> None:
     model, tokenizer = load_model(config.model, config.dtype, resolve_device(config.device))
     log.info("measuring prefill times for the kvstore's cost model")
     profile = measure_prefill(model, block_size=16)
+    graph_tokens = min(config.cuda_graph_max_tokens, scheduling.max_num_batched_tokens)
+    recompute = measure_recompute(model, block_size=16, graph_tokens=graph_tokens)
     r = redis.Redis.from_url(config.redis_url)
     signals: list[int] = []
     signal.signal(signal.SIGINT, lambda signum, _frame: signals.append(signum))
     signal.signal(signal.SIGTERM, lambda signum, _frame: signals.append(signum))
     with KVClient(config.kvstore) as kv:
         engine = _start_engine(
-            worker_id, model, tokenizer, kv, r, config, scheduling, profile, signals
+            worker_id, model, tokenizer, kv, r, config, scheduling, (profile, recompute), signals
         )
         if engine is None:
             return
@@ -122,7 +125,7 @@ def _start_engine(
     r: redis.Redis,
     config: ComputeConfig,
     scheduling: SchedulerConfig,
-    profile: list[tuple[int, float]],
+    profiles: tuple[list[tuple[int, float]], RecomputeProfile],
     signals: list[int],
 ) -> Engine | None:
     """The engine, once the kvstore and Redis answer (retried with backoff; None if a signal
@@ -139,10 +142,11 @@ def _start_engine(
                 kv,
                 r,
                 scheduling,
-                profile,
+                profiles[0],
                 config.claim_idle_ms,
                 config.cuda_graph_max_batch,
                 config.cuda_graph_max_tokens,
+                profiles[1],
             )
         except RECOVERABLE as err:
             log.warning("cannot start serving yet (%s): retrying in %.1f s", err, delay)

@@ -158,6 +158,7 @@ def cost_model_body(stats: p.Stats) -> dict[str, Any]:
     return {
         "calibration": calibration,
         "prefill_profiles": {w.worker_id: w.prefill_profile for w in stats.workers},
+        "recompute_profiles": {w.worker_id: w.recompute_profile for w in stats.workers},
         "decisions": [as_dict(d) for d in stats.decisions],
         "preemptions": stats.preemptions,
     }

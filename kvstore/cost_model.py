@@ -271,41 +271,42 @@ def _weighted_lstsq(xs: list[list[float]], ys: list[float], ws: list[float]) -> 
     return [a[i][k] / a[i][i] for i in range(k)]
 
 
-def recompute_features(tokens: int, context: int, own_step: bool) -> list[float]:
+def recompute_features(
+    tokens: int, context: int, own_step: bool, linear_tokens: int | None = None
+) -> list[float]:
     """Features of the marginal time of recomputing ``tokens`` tokens after ``context`` cached
-    ones: what a step of its own costs (``own_step``: the request has no suffix to prefill
-    anyway, so the recompute adds a forward, or turns a decode-only step into a mixed one) and
-    its attention reading the context once (latency-bound for short chunks); the tokens
-    (weights, norms, MLPs); the attention the new tokens do, ``tokens * context + tokens**2 /
-    2`` (a suffix after them adds none: it attends to the range on either path)."""
+    ones: what a step of its own costs (``own_step``: the request has at most its last token to
+    compute anyway, a decode-shaped chunk, and the recompute turns it into a prefill) and its
+    attention reading the context once; the tokens the forward computes (weights, norms, MLPs:
+    ``linear_tokens`` where the step is padded to a CUDA graph's size, else ``tokens``); the
+    attention the new tokens do, ``tokens * context + tokens**2 / 2`` (a suffix after them adds
+    none: it attends to the range on either path)."""
     step = 1.0 if own_step else 0.0
-    return [step, step * context, float(tokens), tokens * context + tokens * tokens / 2]
+    linear = float(tokens if linear_tokens is None else linear_tokens)
+    return [step, step * context, linear, tokens * context + tokens * tokens / 2]
 
 
 @dataclass
 class CostRefit:
-    """Online recalibration: prices refitted to measured actual costs, each falling back to the
-    startup model's price (``prior``) until it has observations of ``min_points`` distinct
-    sizes. One line per ``busy`` state (whether the GPU runs other requests' steps meanwhile:
-    a load then competes with them, a recompute rides in their steps):
+    """Online recalibration: prices refitted to measured costs, each falling back to a
+    ``prior`` price until it has observations of ``min_points`` distinct sizes. One line per
+    ``busy`` state (whether the GPU runs other requests' steps meanwhile: a load then competes
+    with them, a recompute rides in their steps):
 
-    - move (swap-in for a prefix load, out + in for a preemption: one ``CostRefit`` each): a
-      ``fit_linear`` line over blocks;
-    - recompute: ``fit_nonnegative`` over ``recompute_features`` (a step of its own and its
-      context read, tokens, attention over the context). The worker's startup profile times
-      forwards of their own from context 0, eagerly: it has neither term.
+    - moves (prefix loads' swap-in, a preemption's out + in): a ``fit_linear`` line over blocks;
+    - recomputes: ``fit_nonnegative`` over ``recompute_features`` (a step of its own and its
+      context read, tokens, attention over the context).
 
-    Seeded with a profile of ``(tokens, context, busy, seconds)`` recompute points, off the grid
-    of ``bench/cost_sweep.py --recalibrate``, it cut the time lost on that grid on the H200
-    (1B-shaped, suffixes 0 and 512) from 346% to 1.1% of the oracle's: the startup profile, eager
-    and host-bound, is flat from 16 to 2048 tokens, so its marginal prices ``P(t + s) - P(s)`` are
-    near zero. Fits are cached until the next observation (a refit over 256 observations takes
-    ~4 ms of Python); observations are the last ``window`` of each kind and state."""
+    ``kvstore.pricing`` seeds the recomputes with a worker's startup profile (``(tokens,
+    context, seconds)`` of forwards of their own, CUDA graphs included) and observes the
+    daemon's measured load times. Fits are cached until the next observation (a refit over 256
+    observations takes ~4 ms of Python); observations are the last ``window`` of each kind and
+    state."""
 
     window: int = 256
     min_points: int = 3
     moves: dict[bool, deque[tuple[int, float]]] = field(default_factory=dict)
-    recomputes: dict[bool, deque[tuple[int, int, bool, float]]] = field(default_factory=dict)
+    recomputes: dict[bool, deque[tuple[int, int, bool, int, float]]] = field(default_factory=dict)
     _fits: dict[tuple[str, bool], list[float] | None] = field(default_factory=dict, repr=False)
 
     def observe_move(self, blocks: int, busy: bool, seconds: float) -> None:
@@ -313,12 +314,20 @@ class CostRefit:
         self._fits.pop(("move", busy), None)
 
     def observe_recompute(
-        self, tokens: int, context: int, busy: bool, seconds: float, suffix: int = 0
+        self,
+        tokens: int,
+        context: int,
+        busy: bool,
+        seconds: float,
+        suffix: int = 0,
+        linear_tokens: int | None = None,
     ) -> None:
         """``seconds``: the marginal prefill time of recomputing ``tokens`` after ``context``
-        (``suffix``: the request's own tokens, prefilled after them on either path)."""
+        (``suffix``: the request's own tokens, prefilled after them on either path; at most 1,
+        a step of its own; ``linear_tokens``: see ``recompute_features``)."""
         seen = self.recomputes.setdefault(busy, deque(maxlen=self.window))
-        seen.append((tokens, context, not suffix, seconds))
+        linear = tokens if linear_tokens is None else linear_tokens
+        seen.append((tokens, context, suffix <= 1, linear, seconds))
         self._fits.pop(("recompute", busy), None)
 
     def move_s(self, blocks: int, busy: bool, prior: float) -> float:
@@ -333,55 +342,24 @@ class CostRefit:
         return prior if coef is None else coef[0] + coef[1] * blocks
 
     def recompute_s(
-        self, tokens: int, context: int, busy: bool, prior: float, suffix: int = 0
+        self,
+        tokens: int,
+        context: int,
+        busy: bool,
+        prior: float,
+        suffix: int = 0,
+        linear_tokens: int | None = None,
     ) -> float:
         """Marginal seconds to recompute ``tokens`` after ``context`` (``prior`` until enough
-        was observed)."""
+        was observed; the arguments as ``observe_recompute``'s)."""
         key = ("recompute", busy)
         if key not in self._fits:
-            seen = [(t, c, own, s) for t, c, own, s in self.recomputes.get(busy, ()) if s > 0]
-            enough = len({(t, c) for t, c, _, _ in seen}) >= self.min_points
-            samples = [(recompute_features(t, c, own), s) for t, c, own, s in seen]
+            seen = [o for o in self.recomputes.get(busy, ()) if o[-1] > 0]
+            enough = len({(t, c) for t, c, *_ in seen}) >= self.min_points
+            samples = [(recompute_features(t, c, own, lin), s) for t, c, own, lin, s in seen]
             self._fits[key] = fit_nonnegative(samples) if enough else None
         coef = self._fits[key]
         if coef is None:
             return prior
-        x = recompute_features(tokens, context, not suffix)
+        x = recompute_features(tokens, context, suffix <= 1, linear_tokens)
         return sum(c * f for c, f in zip(coef, x, strict=True))
-
-    def choose_prefix_load(
-        self,
-        load_blocks: int,
-        recompute_tokens: int,
-        context_tokens: int,
-        suffix_tokens: int,
-        busy: bool,
-        prior: Choice,
-    ) -> Choice:
-        """``choose_prefix_load`` again with the refitted prices; ``prior`` is its own answer,
-        whose predictions stand in where nothing was observed (and which stands when it had no
-        calibration or no profile)."""
-        if prior.predicted_swap_s is None or prior.predicted_recompute_s is None:
-            return prior
-        load_s = self.move_s(load_blocks, busy, prior.predicted_swap_s)
-        recompute_s = self.recompute_s(
-            recompute_tokens, context_tokens, busy, prior.predicted_recompute_s, suffix_tokens
-        )
-        if load_s <= recompute_s:
-            return Choice("load", "loading is cheaper (refitted)", load_s, recompute_s)
-        return Choice("recompute", "recompute is cheaper (refitted)", load_s, recompute_s)
-
-    def choose_preempt(
-        self, num_blocks: int, num_tokens: int, busy: bool, cpu_blocks_free: int, prior: Choice
-    ) -> Choice:
-        """``choose`` again with the refitted prices (this ``CostRefit`` observing swap out + in
-        seconds as its moves); ``prior`` is ``choose``'s answer, which stands when it had no
-        price to compare (nothing computed, no calibration or profile) or no CPU room."""
-        swap, recompute = prior.predicted_swap_s, prior.predicted_recompute_s
-        if swap is None or recompute is None or num_tokens == 0 or cpu_blocks_free < num_blocks:
-            return prior
-        swap_s = self.move_s(num_blocks, busy, swap)
-        recompute_s = self.recompute_s(num_tokens, 0, busy, recompute)
-        if swap_s <= recompute_s:
-            return Choice("swap", "swap is cheaper (refitted)", swap_s, recompute_s)
-        return Choice("recompute", "recompute is cheaper (refitted)", swap_s, recompute_s)

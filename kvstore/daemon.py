@@ -192,9 +192,9 @@ def build_service(config: KVStoreConfig) -> tuple[KVService, DevicePools]:
         config.cpu_prefix_cache,
     )
     if config.calibrate and num_cpu_blocks:
-        manager.calibration = pools.calibrate()
-        if manager.calibration is not None:
-            out_bw, in_bw = manager.calibration.bandwidth_gbps()
+        manager.pricing.calibration = pools.calibrate()
+        if manager.pricing.calibration is not None:
+            out_bw, in_bw = manager.pricing.calibration.bandwidth_gbps()
             log.info("swap calibration: out %.2f GB/s, in %.2f GB/s", out_bw, in_bw)
     service = KVService(
         manager,
@@ -335,8 +335,15 @@ class Daemon:
         while not self.stopping:
             if self.sock.poll(self.poll_ms):
                 identity, *frames = self.sock.recv_multipart()
+                start = time.perf_counter()
                 self.sock.send_multipart([identity, self.reply_to(frames)])
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug("call answered in %.3f ms", (time.perf_counter() - start) * 1e3)
+            start = time.perf_counter()
             service.between_calls()
+            spent = time.perf_counter() - start
+            if spent > 1e-4 and log.isEnabledFor(logging.DEBUG):
+                log.debug("between calls: %.3f ms", spent * 1e3)
             if time.monotonic() - last_tick >= 0.5:
                 service.tick()
                 self.refusals.flush()

@@ -20,16 +20,10 @@ from __future__ import annotations
 
 from kvstore.block_pool import BlockPool, CpuTier
 from kvstore.block_store import BlockStore
-from kvstore.cost_model import (
-    Choice,
-    DecisionLog,
-    Mode,
-    SwapCalibration,
-    choose,
-    choose_prefix_load,
-)
+from kvstore.cost_model import Choice, DecisionLog, Mode
 from kvstore.integrity import check_integrity
 from kvstore.prefix_index import LookupResult, PrefixIndex, content_hash, index_key
+from kvstore.pricing import Pricing
 from kvstore.requests import (
     Growth,
     KVError,
@@ -58,8 +52,8 @@ class KVCacheManager:
         self.store = BlockStore(num_gpu_blocks, num_cpu_blocks, block_size, cpu_prefix_cache)
         self.decisions = DecisionLog()
         self.requests: dict[str, Request] = {}
-        self.calibration: SwapCalibration | None = None
-        self.prefill_profiles: dict[str, list[tuple[int, float]]] = {}
+        self.pricing = Pricing()
+        self._load_busy: dict[int, bool] = {}  # queued prefix loads: decision id -> busy
 
     @property
     def pool(self) -> BlockPool:
@@ -209,15 +203,19 @@ class KVCacheManager:
 
     def _prefix_choice(self, request: Request, hit: LookupResult, missing: list[int]) -> Choice:
         bs = self.block_size
-        # Priced with no suffix: on the H200 the worker's eager profile is host-bound (~9 ms flat
-        # from 16 to 2048 tokens), so the marginal price beside a suffix is ~0 and recompute won
-        # every time, 4-7x too cheap (bench/cost_sweep.py; BENCHMARKS.md, issue 13).
-        return choose_prefix_load(
+        return self.pricing.prefix_load(
+            request.worker,
             len(missing),
             (len(hit.gpu) - hit.gpu_run) * bs,
-            0,
-            self.calibration,
-            self.prefill_profiles.get(request.worker, []),
+            hit.gpu_run * bs,
+            max(len(request.token_ids) - len(hit.gpu) * bs, 0),
+            self._running(request.worker),
+        )
+
+    def _running(self, worker: str) -> int:
+        """How many requests ``worker`` runs (a load then shares the GPU with their steps)."""
+        return sum(
+            r.worker == worker and r.status is Status.RUNNING for r in self.requests.values()
         )
 
     def _record_prefix_decision(
@@ -228,7 +226,9 @@ class KVCacheManager:
             request.req_id, now, len(missing), tokens, choice, kind="prefix"
         )
         request.decision_id = decision.id
-        if choice.mode != "load":
+        if choice.mode == "load":
+            self._load_busy[decision.id] = self._running(request.worker) > 0
+        else:
             self.store.counts["recomputed"] += len(missing)
 
     # ------------------------------------------------------------------ growth
@@ -360,11 +360,10 @@ class KVCacheManager:
 
     def _preempt_one(self, request: Request, now: float, plan: TransferPlan) -> Mode:
         blocks = request.block_ids
-        choice = choose(
+        choice = self.pricing.preempt(
+            request.worker,
             len(blocks),
             request.num_computed,
-            self.calibration,
-            self.prefill_profiles.get(request.worker, []),
             self.cpu.num_available,  # demoted prefixes make room for a swap
         )
         decision = self.decisions.record(
@@ -421,7 +420,11 @@ class KVCacheManager:
     def record_transfer(self, plan: TransferPlan, out_s: float, in_s: float) -> None:
         """The measured times of an executed plan (swap-out and swap-in parts), shared among
         its decisions by blocks moved. A plan's decisions own its swap-ins when it has any (a
-        resume, a prefix load: the swap-outs beside them are demotions), else its swap-outs."""
+        resume, a prefix load: the swap-outs beside them are demotions), else its swap-outs.
+        Prefix loads' swap-in time also refits the price of loads (``Pricing.observe_load``)."""
+        loads = [self._load_busy.pop(d) for d in plan.decisions if d in self._load_busy]
+        if loads and plan.swap_in:
+            self.pricing.observe_load(len(plan.swap_in), any(loads), in_s)
         seconds = in_s if plan.swap_in else out_s
         moved = sum(plan.decisions.values())
         for decision_id, blocks in plan.decisions.items():

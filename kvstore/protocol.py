@@ -13,9 +13,10 @@ from typing import Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 4  # 2: Call.token; the wire's codes and kinds are closed sets (Literal).
+PROTOCOL_VERSION = 5  # 2: Call.token; the wire's codes and kinds are closed sets (Literal).
 # 3: AdmitItem.reuse_prefix, Step.finals. 4: the CPU prefix tier (Stats fields, DecisionRow.kind,
-# GetBlockMap, GetBlockInfo, Step.timeline, WorkerRow.timeline)
+# GetBlockMap, GetBlockInfo, Step.timeline, WorkerRow.timeline). 5: Register.recompute_profile
+# and .graph_token_buckets, WorkerRow.recompute_profile
 
 PoolKind = Literal["shm", "cuda_ipc"]
 ErrorCode = Literal["bad_message", "version", "unauthorized", "unknown_worker", "internal"]
@@ -80,12 +81,17 @@ class PoolInfo(_Item):
 # ---------------------------------------------------------------- requests (client -> daemon)
 class Register(_Msg):
     """A compute worker joins. ``prefill_profile``: its measured ``(tokens, seconds)`` prefill
-    times, the recompute side of the cost model."""
+    times from an empty context, eagerly (the recompute side of a preemption's price);
+    ``recompute_profile``: ``(tokens, context, seconds)`` of forwards prefilling ``tokens`` after
+    ``context`` cached, as the worker runs them (CUDA graphs included; a prefix load's price);
+    ``graph_token_buckets``: the token counts of its CUDA graphs of prefill steps (none: eager)."""
 
     worker_id: str
     prefill_profile: list[tuple[int, float]] = []
     device: str = ""
     pid: int = 0
+    recompute_profile: list[tuple[int, int, float]] = []
+    graph_token_buckets: list[int] = []
 
 
 class Heartbeat(_Msg):
@@ -347,6 +353,7 @@ class WorkerRow(_Item):
     idle_s: float
     requests: int
     prefill_profile: list[tuple[int, float]]
+    recompute_profile: list[tuple[int, int, float]]
     timeline: StepTimeline | None  # the last one the worker sent
     timeline_age_s: float  # how long ago it came
 

@@ -89,15 +89,15 @@ class KVService:
         """A worker (re)joins. What the daemon still holds under its id belongs to a previous
         life of it (a restarted process, or one that lost track of us): orphaned, adoptable."""
         self.leases.register(Worker(body.worker_id, now, now, body.device, body.pid))
-        if body.prefill_profile:
-            self.manager.prefill_profiles[body.worker_id] = list(body.prefill_profile)
+        self.manager.pricing.register(body.worker_id, body.prefill_profile, body.recompute_profile)
         orphaned = self.manager.orphan_worker(body.worker_id, now)
         log.info(
-            "worker %s registered (pid %d, %s, %d prefill points)%s",
+            "worker %s registered (pid %d, %s, %d prefill and %d recompute points)%s",
             body.worker_id,
             body.pid,
             body.device,
             len(body.prefill_profile),
+            len(body.recompute_profile),
             f"; {len(orphaned)} requests of its previous registration orphaned" if orphaned else "",
         )
         return p.Registered(

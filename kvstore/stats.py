@@ -25,7 +25,7 @@ def build_stats(service: KVService, top: int, now: float) -> p.Stats:
     per_worker: dict[str, int] = {}
     for r in m.requests.values():
         per_worker[r.worker] = per_worker.get(r.worker, 0) + 1
-    cal = m.calibration
+    cal = m.pricing.calibration
     return p.Stats(
         block_size=m.block_size,
         block_bytes=service.mover.block_bytes,
@@ -61,7 +61,8 @@ def build_stats(service: KVService, top: int, now: float) -> p.Stats:
                 w.pid,
                 now - w.last_seen,
                 per_worker.get(w.worker_id, 0),
-                m.prefill_profiles.get(w.worker_id, []),
+                m.pricing.prefill_profiles.get(w.worker_id, []),
+                m.pricing.recompute_profiles.get(w.worker_id, []),
                 w.timeline,
                 now - w.timeline_at if w.timeline is not None else 0.0,
             )

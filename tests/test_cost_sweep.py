@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.cost_sweep import BLOCK, Row, cross_validate, main, prefill_steps, score, seeded
+from bench.cost_report import Row, score
+from bench.cost_rig import BLOCK, prefill_steps
+from bench.cost_sweep import cross_validate, main, seeded
 from kvstore.cost_model import Choice
 
 TABLE_ROW = re.compile(r"^\| (prefix|preempt) \| (absent|present) \| ")

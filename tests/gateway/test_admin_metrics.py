@@ -58,7 +58,13 @@ def test_admin_pages(stack: Stack) -> None:
     [worker] = live["workers"]
     assert worker["idle_s"] < 10 and worker["device"] == "cpu"
     cost = stack.admin("/admin/cost-model")
-    assert set(cost) == {"calibration", "prefill_profiles", "decisions", "preemptions"}
+    assert set(cost) == {
+        "calibration",
+        "prefill_profiles",
+        "recompute_profiles",
+        "decisions",
+        "preemptions",
+    }
     assert cost["calibration"]["swap_out_gbps"] > 0  # the kvstore calibrated at startup
     assert all(len(points) >= 2 for points in cost["prefill_profiles"].values())
     stack.wait_blocks_released()

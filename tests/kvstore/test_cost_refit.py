@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from kvstore.cost_model import (
-    Choice,
     CostRefit,
     _weighted_lstsq,
     fit_nonnegative,
@@ -79,31 +78,3 @@ def test_window_keeps_the_last_observations() -> None:
     for n in (4, 5, 6):
         refit.observe_move(n, False, 0.5 * n)
     assert refit.move_s(10, False, prior=0.0) == pytest.approx(5.0)
-
-
-def test_choose_prefix_load_with_refitted_prices() -> None:
-    prior = Choice("load", "loading is cheaper", 1e-3, 5e-3)
-    refit = CostRefit()
-    same = refit.choose_prefix_load(4, 64, 0, 0, False, prior)
-    assert (same.mode, same.predicted_swap_s, same.predicted_recompute_s) == ("load", 1e-3, 5e-3)
-    for n in (1, 2, 4):
-        refit.observe_move(n, False, 1e-2 * n)  # loads turned out slow: 40 ms for 4 blocks
-    picked = refit.choose_prefix_load(4, 64, 0, 0, False, prior)
-    assert (picked.mode, picked.reason) == ("recompute", "recompute is cheaper (refitted)")
-    assert picked.predicted_swap_s == pytest.approx(4e-2) and picked.predicted_recompute_s == 5e-3
-    assert refit.choose_prefix_load(4, 64, 0, 0, True, prior).mode == "load"  # busy: unseen
-    blind = Choice("recompute", "no swap calibration", None, 5e-3)
-    assert refit.choose_prefix_load(4, 64, 0, 0, False, blind) is blind
-
-
-def test_choose_preempt_with_refitted_prices() -> None:
-    prior = Choice("recompute", "recompute is cheaper", 2e-2, 1e-2)  # a flat profile's guess
-    refit = CostRefit()
-    for t, c in [(16, 0), (256, 0), (4096, 0)]:
-        refit.observe_recompute(t, c, False, truth(t, c))
-    picked = refit.choose_preempt(512, 8192, False, 1000, prior)
-    assert (picked.mode, picked.reason) == ("swap", "swap is cheaper (refitted)")
-    assert picked.predicted_recompute_s == pytest.approx(truth(8192, 0))  # 1 + 16.4 + 33.6 ms
-    assert picked.predicted_swap_s == 2e-2  # no move observed: the calibration's line
-    assert refit.choose_preempt(512, 8192, False, 100, prior) is prior  # no room in the CPU tier
-    assert refit.choose_preempt(512, 0, False, 1000, prior) is prior  # nothing computed

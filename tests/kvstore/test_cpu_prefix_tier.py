@@ -20,8 +20,8 @@ def tiered(gpu: int = 4, cpu: int = 4, load_s: float = 1e-6) -> KVCacheManager:
     """A manager with the CPU prefix tier on; ``load_s`` per block swapped in (recompute costs
     10 ms per 16 tokens: 1 us loads, 1 s does not)."""
     m = KVCacheManager(gpu, cpu, BS, cpu_prefix_cache=True)
-    m.calibration = SwapCalibration(64, LinearCost(0, load_s), LinearCost(0, load_s))
-    m.prefill_profiles["w"] = [(16, 0.01), (64, 0.04), (256, 0.16)]
+    m.pricing.calibration = SwapCalibration(64, LinearCost(0, load_s), LinearCost(0, load_s))
+    m.pricing.prefill_profiles["w"] = [(16, 0.01), (64, 0.04), (256, 0.16)]
     return m
 
 
@@ -188,8 +188,8 @@ def test_a_demotion_queued_after_a_load_never_overwrites_the_load_source() -> No
     """Found by the state machine: the blocks allocated after a load evict a cached block, whose
     demotion must not take the CPU block the queued load still has to read."""
     m = KVCacheManager(8, 2, 4, cpu_prefix_cache=True)
-    m.calibration = SwapCalibration(64, LinearCost(0, 1e-6), LinearCost(0, 1e-6))
-    m.prefill_profiles["w"] = [(4, 0.01), (64, 0.16)]
+    m.pricing.calibration = SwapCalibration(64, LinearCost(0, 1e-6), LinearCost(0, 1e-6))
+    m.pricing.prefill_profiles["w"] = [(4, 0.01), (64, 0.16)]
     for i, (prompt, free) in enumerate(
         [([1] * 9, True), ([1] * 13, True), ([0, 1, 2] * 4, False), ([2] * 4 + [0] * 9, True)]
     ):

@@ -64,8 +64,8 @@ def test_memory_specs() -> None:
 
 def test_swap_out_then_in_returns_identical_bytes_and_frees_cpu_blocks(pools: DevicePools) -> None:
     manager = KVCacheManager(32, 16, 16)
-    manager.prefill_profiles["w"] = [(16, 10.0)]  # recompute is dear: the cost model swaps
-    manager.calibration = pools.calibrate(sizes=(1, 4))
+    manager.pricing.prefill_profiles["w"] = [(16, 10.0)]  # recompute is dear: the cost model swaps
+    manager.pricing.calibration = pools.calibrate(sizes=(1, 4))
     service = KVService(manager, pools, lease_timeout_s=60, orphan_grace_s=60)
     service.handle(p.Register("w", [(16, 10.0)], "cpu", 0))
     # Two requests: 'a' (90 tokens, 6 blocks) to swap, 'b' sharing nothing, to stay put.
@@ -105,7 +105,7 @@ def tier_round_trip(pools: DevicePools, write_back: int) -> None:
     ``write_back``, else at eviction) while other content overwrites its blocks; the same
     prompt comes back as a prefix hit loaded from the CPU: its blocks must hold the exact bytes."""
     manager = KVCacheManager(8, 4, 16, cpu_prefix_cache=True)
-    manager.calibration = pools.calibrate(sizes=(1, 4))
+    manager.pricing.calibration = pools.calibrate(sizes=(1, 4))
     service = KVService(manager, pools, 60, 60, write_back_ahead=write_back)
     service.handle(p.Register("w", [(16, 10.0)], "cpu", 0))  # recompute is dear: it loads
     prompt = list(range(49))  # 3 full blocks + 1 token

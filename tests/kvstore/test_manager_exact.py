@@ -192,8 +192,8 @@ def test_no_space_is_all_or_nothing() -> None:
 
 def test_preempt_swap_then_resume_reuses_cached_prefix() -> None:
     m = manager(8, 8)
-    m.calibration = SwapCalibration(1024, LinearCost(0.0, 1e-6), LinearCost(0.0, 1e-6))
-    m.prefill_profiles["w"] = [(16, 1.0), (1024, 2.0)]  # recompute is far dearer
+    m.pricing.calibration = SwapCalibration(1024, LinearCost(0.0, 1e-6), LinearCost(0.0, 1e-6))
+    m.pricing.prefill_profiles["w"] = [(16, 1.0), (1024, 2.0)]  # recompute is far dearer
     m.admit("a", "w", list(range(40)), None)
     m.append("a", "w", [1], 40)
     modes, plan = m.preempt(["a"], "w", now=1.0)
@@ -210,8 +210,8 @@ def test_preempt_swap_then_resume_reuses_cached_prefix() -> None:
 
 def test_preempt_recompute_when_cheaper_or_cpu_full() -> None:
     m = manager(8, 4)
-    m.calibration = SwapCalibration(1024, LinearCost(1.0, 1.0), LinearCost(1.0, 1.0))
-    m.prefill_profiles["w"] = [(16, 0.001), (1024, 0.01)]
+    m.pricing.calibration = SwapCalibration(1024, LinearCost(1.0, 1.0), LinearCost(1.0, 1.0))
+    m.pricing.prefill_profiles["w"] = [(16, 0.001), (1024, 0.01)]
     m.admit("a", "w", list(range(40)), None)
     m.append("a", "w", [1], 40)
     modes, plan = m.preempt(["a"], "w", now=0.0)
@@ -221,7 +221,7 @@ def test_preempt_recompute_when_cheaper_or_cpu_full() -> None:
     assert decision["predicted_swap_s"] == pytest.approx(2 * (1.0 + 3.0))
     placement, _ = m.resume("a", "w")
     assert placement.num_computed == 32  # the cached full blocks come back as hits
-    m.calibration = SwapCalibration(1024, LinearCost(0.0, 1e-9), LinearCost(0.0, 1e-9))
+    m.pricing.calibration = SwapCalibration(1024, LinearCost(0.0, 1e-9), LinearCost(0.0, 1e-9))
     m.append("a", "w", [], 41)
     m.cpu.allocate(2)  # leave 2 CPU blocks for a request holding 3
     assert m.preempt(["a"], "w", now=0.0)[0] == ["recompute"]
@@ -351,7 +351,7 @@ def test_step_order_running_requests_grow_before_admissions() -> None:
 def test_a_placed_request_always_recomputes_its_last_token() -> None:
     """The worker needs the last token's logits: adopt/resume never count it as computed."""
     m = manager(20, 8)
-    m.calibration = SwapCalibration(1024, LinearCost(0.0, 1e-9), LinearCost(0.0, 1e-9))
+    m.pricing.calibration = SwapCalibration(1024, LinearCost(0.0, 1e-9), LinearCost(0.0, 1e-9))
     m.admit("a", "w1", list(range(40)), None)
     m.append("a", "w1", [], 40)  # everything computed, the last block private (8 of 16 tokens)
     m.orphan_worker("w1", now=1.0)

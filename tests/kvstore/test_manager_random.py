@@ -31,12 +31,16 @@ class KVMachine(RuleBasedStateMachine):
         cpu=st.integers(0, 12),
         swap_cost=st.sampled_from([1e-6, 1.0]),
         tier=st.booleans(),
+        measured=st.booleans(),
     )
-    def setup(self, gpu: int, cpu: int, swap_cost: float, tier: bool) -> None:
+    def setup(self, gpu: int, cpu: int, swap_cost: float, tier: bool, measured: bool) -> None:
         self.m = KVCacheManager(gpu, cpu, BS, cpu_prefix_cache=tier)
-        self.m.calibration = SwapCalibration(64, LinearCost(0, swap_cost), LinearCost(0, swap_cost))
+        self.m.pricing.calibration = SwapCalibration(
+            64, LinearCost(0, swap_cost), LinearCost(0, swap_cost)
+        )
         for worker in ("w1", "w2"):
-            self.m.prefill_profiles[worker] = [(4, 0.01), (64, 0.16)]
+            recompute = [(t, c, 1e-3 + t * 1e-4 + c * 1e-6) for t in (4, 64) for c in (0, 32)]
+            self.m.pricing.register(worker, [(4, 0.01), (64, 0.16)], recompute if measured else [])
         self.gpu: list[list[int | None]] = [[None] * BS for _ in range(gpu)]
         self.cpu: list[list[int | None]] = [[None] * BS for _ in range(cpu)]
         self.written: dict[str, int] = {}  # tokens the "worker" wrote, reported at its next append
@@ -64,6 +68,8 @@ class KVMachine(RuleBasedStateMachine):
         pending = self.m.take_pending()
         for part in (pending, plan):
             self._copy(part)
+            if part.swap_out or part.swap_in:  # the loads' times refit their price
+                self.m.record_transfer(part, 0.0, 1e-4 + 1e-5 * len(part.swap_in))
 
     def _copy(self, plan: TransferPlan) -> None:
         for g, c in plan.swap_out:
