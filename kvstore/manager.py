@@ -22,8 +22,15 @@ from kvstore.block_pool import BlockPool, CpuTier
 from kvstore.block_store import BlockStore
 from kvstore.cost_model import Choice, DecisionLog, Mode
 from kvstore.integrity import check_integrity
-from kvstore.prefix_index import LookupResult, PrefixIndex, content_hash, index_key
+from kvstore.prefix_index import LookupResult, PrefixIndex
 from kvstore.pricing import Pricing
+from kvstore.request_blocks import (
+    extend_hashes,
+    must_copy,
+    register_computed,
+    reopen_last_token,
+    truncate,
+)
 from kvstore.requests import (
     Growth,
     KVError,
@@ -90,7 +97,7 @@ class KVCacheManager:
         if not token_ids:
             raise KVError("bad_argument", "a request needs at least one token")
         request = Request(req_id, worker, salt, list(token_ids), reuse_prefix=reuse_prefix)
-        self._extend_hashes(request)
+        extend_hashes(request, self.block_size)
         placement = self._place(request, record=True, now=now)
         self.requests[req_id] = request
         return placement
@@ -119,7 +126,7 @@ class KVCacheManager:
         reopens_in_a_fresh_block = (
             request.status is Status.RUNNING
             and min(request.num_computed, common) == common
-            and self._must_copy(last_block)
+            and must_copy(self.store, last_block)
         )
         if reopens_in_a_fresh_block and self.pool.num_available < 1:  # check before changing
             raise KVError("no_space", f"no block to reopen the last token of {req_id!r}")
@@ -130,10 +137,10 @@ class KVCacheManager:
             request.block_ids, request.cpu_block_ids = [], []
             request.num_computed = request.num_registered = 0
             request.status, request.reuse_prefix = Status.DROPPED, False
-        self._truncate(request, common)
+        truncate(self.store, request, common, self.block_size)
         if request.status is not Status.RUNNING:
             return self._resume_one(request)
-        self._reopen_last_token(request)
+        reopen_last_token(self.store, request, self.block_size)
         placement = Placement(
             req_id, list(request.block_ids), request.num_computed, request.num_cached_tokens
         )
@@ -250,7 +257,7 @@ class KVCacheManager:
             )
         blocks_needed = -(-(len(tokens) + len(new_token_ids)) // bs)
         last = min(blocks_needed, len(table))
-        to_copy = [i for i in range(num_computed // bs, last) if self._must_copy(table[i])]
+        to_copy = [i for i in range(num_computed // bs, last) if must_copy(self.store, table[i])]
         grow = blocks_needed - len(table)
         copies: list[tuple[int, int, int]] = []
         new_blocks: list[int] = []
@@ -261,7 +268,7 @@ class KVCacheManager:
                     "no_space",
                     f"{req_id!r} needs {needed} blocks, {self.pool.num_available} available",
                 )
-            fresh = self._allocate(needed)
+            fresh = self.store.allocate(needed)
             for position, dst in zip(to_copy, fresh, strict=False):
                 src = table[position]
                 self.pool.release([src])
@@ -272,9 +279,9 @@ class KVCacheManager:
         tokens.extend(new_token_ids)
         request.num_computed = num_computed
         if len(tokens) // bs > len(request.contents):
-            self._extend_hashes(request)
+            extend_hashes(request, self.block_size)
         if num_computed // bs > request.num_registered:
-            self._register_computed(request)
+            register_computed(self.store, request, self.block_size)
         return Growth(req_id, new_blocks, copies)
 
     def append_tokens(
@@ -310,11 +317,8 @@ class KVCacheManager:
             tokens.append(token)
             r.num_computed = n
             if (n + 1) % bs == 0:  # the last block is full of known tokens now: hash it
-                self._extend_hashes(r)
+                extend_hashes(r, self.block_size)
         return general
-
-    def _must_copy(self, block: int) -> bool:
-        return self.pool.ref_counts[block] > 1 or self.pool.cached[block]
 
     def fork(self, parent_id: str, worker: str, child_id: str) -> Placement:
         """The child shares every block of the parent (ref + 1 each): tokens, computed count and
@@ -407,8 +411,8 @@ class KVCacheManager:
         self.cpu.release(request.cpu_block_ids)
         request.cpu_block_ids = []
         request.num_computed = max(num_computed, placement.num_computed)
-        self._reopen_last_token(request)
-        self._register_computed(request)
+        reopen_last_token(self.store, request, self.block_size)
+        register_computed(self.store, request, self.block_size)
         placement = Placement(
             request.req_id,
             list(request.block_ids),
@@ -487,65 +491,3 @@ class KVCacheManager:
         if status is not None and request.status is not status:
             raise KVError("wrong_state", f"request {req_id!r} is {request.status.value}")
         return request
-
-    def _allocate(self, n: int) -> list[int]:
-        return self.store.allocate(n)
-
-    def _extend_hashes(self, request: Request) -> None:
-        """Hashes every full block of known tokens not hashed yet."""
-        bs = self.block_size
-        for i in range(len(request.contents), len(request.token_ids) // bs):
-            parent = request.contents[i - 1] if i else b""
-            content = content_hash(parent, request.token_ids[i * bs : (i + 1) * bs])
-            request.contents.append(content)
-            request.keys.append(index_key(content, request.salt))
-
-    def _register_computed(self, request: Request) -> None:
-        """Offers newly computed full blocks to the prefix index (duplicates stay unregistered)."""
-        for i in range(request.num_registered, request.num_computed // self.block_size):
-            parent = request.keys[i - 1] if i else None
-            self.store.register(
-                request.block_ids[i], request.keys[i], request.contents[i], parent, i
-            )
-        request.num_registered = max(
-            request.num_registered, request.num_computed // self.block_size
-        )
-
-    def _reopen_last_token(self, request: Request) -> None:
-        """A placed request's last token is never counted as computed: the worker needs its
-        logits to sample, so it runs it again. Its slot must then be writable: if the block is
-        shared or registered in the prefix index, the request gets a fresh block and recomputes
-        that block (at most ``block_size`` tokens). Raises no_space, changing nothing, if no
-        block is left for that."""
-        last = len(request.token_ids) - 1
-        if request.num_computed <= last:
-            return
-        position = last // self.block_size
-        block = request.block_ids[position]
-        request.num_registered = min(request.num_registered, position)  # it is written again
-        if not self._must_copy(block):
-            request.num_computed = last
-            return
-        if self.pool.num_available < 1:
-            raise KVError("no_space", f"no block to reopen the last token of {request.req_id!r}")
-        [fresh] = self._allocate(1)
-        self.pool.release([block])
-        request.block_ids[position] = fresh
-        request.num_computed = position * self.block_size
-
-    def _truncate(self, request: Request, length: int) -> None:
-        """Forgets tokens past ``length`` and the blocks no longer needed."""
-        if length >= len(request.token_ids):
-            return
-        keep_blocks = cdiv(length, self.block_size)
-        del request.token_ids[length:]
-        del request.contents[length // self.block_size :]
-        del request.keys[length // self.block_size :]
-        request.num_computed = min(request.num_computed, length)
-        request.num_registered = min(request.num_registered, length // self.block_size)
-        if request.status is Status.RUNNING:
-            self.pool.release(request.block_ids[keep_blocks:])
-            del request.block_ids[keep_blocks:]
-        elif request.status is Status.SWAPPED:
-            self.cpu.release(request.cpu_block_ids[keep_blocks:])
-            del request.cpu_block_ids[keep_blocks:]

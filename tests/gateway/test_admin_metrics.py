@@ -67,6 +67,12 @@ def test_admin_pages(stack: Stack) -> None:
     }
     assert cost["calibration"]["swap_out_gbps"] > 0  # the kvstore calibrated at startup
     assert all(len(points) >= 2 for points in cost["prefill_profiles"].values())
+    [recompute] = cost["recompute_profiles"].values()  # (tokens, context, seconds) per forward
+    assert (
+        len(recompute) >= 4
+        and {c for _, c, _ in recompute} >= {0}
+        and all(s > 0 for *_, s in recompute)
+    )
     stack.wait_blocks_released()
     reset = stack.admin("/admin/cache/reset", "POST")
     assert reset["reset_blocks"] == blocks["cached"] or reset["reset_blocks"] > 0

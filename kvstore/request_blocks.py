@@ -1,0 +1,76 @@
+"""One request's block table against the ``BlockStore``: its block hashes, the blocks it offers
+the prefix index, its last token reopened for the worker, its truncation.
+
+Helpers of ``KVCacheManager``, the owner of both the requests and the store: they mutate the
+``Request`` and the store they are handed, and are called only from the manager's methods.
+"""
+
+from __future__ import annotations
+
+from kvstore.block_store import BlockStore
+from kvstore.prefix_index import content_hash, index_key
+from kvstore.requests import KVError, Request, Status, cdiv
+
+
+def must_copy(store: BlockStore, block: int) -> bool:
+    """Whether writing ``block`` needs a fresh copy first: shared, or registered in the index."""
+    return store.pool.ref_counts[block] > 1 or store.pool.cached[block]
+
+
+def extend_hashes(request: Request, block_size: int) -> None:
+    """Hashes every full block of known tokens not hashed yet."""
+    bs = block_size
+    for i in range(len(request.contents), len(request.token_ids) // bs):
+        parent = request.contents[i - 1] if i else b""
+        content = content_hash(parent, request.token_ids[i * bs : (i + 1) * bs])
+        request.contents.append(content)
+        request.keys.append(index_key(content, request.salt))
+
+
+def register_computed(store: BlockStore, request: Request, block_size: int) -> None:
+    """Offers newly computed full blocks to the prefix index (duplicates stay unregistered)."""
+    for i in range(request.num_registered, request.num_computed // block_size):
+        parent = request.keys[i - 1] if i else None
+        store.register(request.block_ids[i], request.keys[i], request.contents[i], parent, i)
+    request.num_registered = max(request.num_registered, request.num_computed // block_size)
+
+
+def reopen_last_token(store: BlockStore, request: Request, block_size: int) -> None:
+    """A placed request's last token is never counted as computed: the worker needs its
+    logits to sample, so it runs it again. Its slot must then be writable: if the block is
+    shared or registered in the prefix index, the request gets a fresh block and recomputes
+    that block (at most ``block_size`` tokens). Raises no_space, changing nothing, if no
+    block is left for that."""
+    last = len(request.token_ids) - 1
+    if request.num_computed <= last:
+        return
+    position = last // block_size
+    block = request.block_ids[position]
+    request.num_registered = min(request.num_registered, position)  # it is written again
+    if not must_copy(store, block):
+        request.num_computed = last
+        return
+    if store.pool.num_available < 1:
+        raise KVError("no_space", f"no block to reopen the last token of {request.req_id!r}")
+    [fresh] = store.allocate(1)
+    store.pool.release([block])
+    request.block_ids[position] = fresh
+    request.num_computed = position * block_size
+
+
+def truncate(store: BlockStore, request: Request, length: int, block_size: int) -> None:
+    """Forgets tokens past ``length`` and the blocks (GPU or CPU) no longer needed."""
+    if length >= len(request.token_ids):
+        return
+    keep_blocks = cdiv(length, block_size)
+    del request.token_ids[length:]
+    del request.contents[length // block_size :]
+    del request.keys[length // block_size :]
+    request.num_computed = min(request.num_computed, length)
+    request.num_registered = min(request.num_registered, length // block_size)
+    if request.status is Status.RUNNING:
+        store.pool.release(request.block_ids[keep_blocks:])
+        del request.block_ids[keep_blocks:]
+    elif request.status is Status.SWAPPED:
+        store.cpu.release(request.cpu_block_ids[keep_blocks:])
+        del request.cpu_block_ids[keep_blocks:]
