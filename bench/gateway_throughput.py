@@ -5,11 +5,13 @@ instant batch worker: a separate process speaking the Redis contract (``contract
 no model) that, like an engine of ``--step-ms`` per step, publishes one token for every request
 it holds each step, in one pipelined round trip. ``pagedserve bench`` fires ``--requests``
 streamed chat completions at once (``max_tokens`` ``--tokens`` each). Reported: the client's
-output tok/s and TPOT, and the gateway process's CPU seconds per delivered token (from
+output tok/s and TPOT, and the gateway processes' CPU seconds per delivered token (from
 /proc): the per-token cost of the HTTP stack, whatever the machine's core count. Every process
 shares the machine's cores, so on a small machine the throughput is a lower bound.
+``--gateways N``: N gateway processes on one port (``--reuse-port``, metrics shared through
+``PROMETHEUS_MULTIPROC_DIR``), as ``pagedserve up --gateways N`` runs them.
 
-    python bench/gateway_throughput.py [--requests 128] [--tokens 256] [--step-ms 2]
+    python bench/gateway_throughput.py [--requests 128] [--tokens 256] [--step-ms 2] [--gateways 2]
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -31,6 +34,7 @@ import redis
 
 from contracts import queue_worker
 from contracts.records import OutputRecord, RequestRecord
+from gateway.metrics import MULTIPROC_ENV
 from pagedserve.cli import spawn_kvstore, spawn_process
 from pagedserve.redis_server import EmbeddedRedis, free_port
 
@@ -82,6 +86,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=128)
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--step-ms", type=float, default=2.0)
+    parser.add_argument("--gateways", type=int, default=1, help="processes on one port")
     args = parser.parse_args()
     server = EmbeddedRedis.start()
     endpoint = f"ipc:///tmp/pagedserve-gw-bench-{os.getpid()}.sock"
@@ -91,12 +96,16 @@ def main() -> None:
     engine = mp.Process(target=instant_engine, args=(server.url, args.step_ms / 1e3, stop_rx))
     engine.start()
     port = free_port()
-    gateway = spawn_process(
-        "gateway",
-        ["--model", "tiny", "--redis-url", server.url, "--kvstore", endpoint, "--port", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    flags = ["--model", "tiny", "--redis-url", server.url, "--kvstore", endpoint]
+    flags += ["--port", str(port), *(["--reuse-port"] if args.gateways > 1 else [])]
+    shared = tempfile.mkdtemp(prefix="pagedserve-metrics-")
+    env = {**os.environ, MULTIPROC_ENV: shared}
+    gateways = [
+        spawn_process(
+            "gateway", flags, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        for _ in range(args.gateways)
+    ]
     try:
         time.sleep(3)  # the gateway binds
         with tempfile.TemporaryDirectory() as tmp:
@@ -108,17 +117,19 @@ def main() -> None:
             command += ["--result-json", str(out), "--no-progress"]
             warm = [*command, "--num-requests", "16"]  # the gateway's lazy loads, untimed
             subprocess.run(warm, cwd=ROOT, timeout=600, capture_output=True)
-            before = cpu_seconds(gateway.pid)
+            before = sum(cpu_seconds(g.pid) for g in gateways)
             done = subprocess.run(command, cwd=ROOT, timeout=600, capture_output=True, text=True)
             if done.returncode != 0 or not out.exists():
                 raise SystemExit(f"pagedserve bench failed:\n{done.stderr[-3000:]}")
-            spent = cpu_seconds(gateway.pid) - before
+            spent = sum(cpu_seconds(g.pid) for g in gateways) - before
             result = json.loads(out.read_text())
     finally:
         stop_tx.send(True)
         engine.join(10)
-        gateway.send_signal(2)
-        gateway.wait(30)
+        for gateway in gateways:
+            gateway.send_signal(2)
+            gateway.wait(30)
+        shutil.rmtree(shared, ignore_errors=True)
         kvstore.send_signal(2)
         kvstore.wait(30)
         server.stop()
@@ -128,7 +139,8 @@ def main() -> None:
     print(
         f"{result['completed']}/{args.requests} requests, {tokens} tokens, "
         f"{result['output_tok_s']:.0f} out tok/s through the gateway (engine step "
-        f"{args.step_ms} ms: {args.requests / args.step_ms * 1e3:.0f} tok/s offered), TPOT p50 "
+        f"{args.step_ms} ms: {args.requests / args.step_ms * 1e3:.0f} tok/s offered; "
+        f"{args.gateways} gateway process(es)), TPOT p50 "
         f"{result['tpot_ms']['p50']:.2f} ms; gateway CPU {spent:.2f} s = "
         f"{spent / tokens * 1e6:.1f} us per token (one core: at most "
         f"{tokens / spent if spent else 0:.0f} tok/s)"

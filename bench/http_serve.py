@@ -146,11 +146,16 @@ def stop(process: subprocess.Popen[bytes]) -> None:
 
 
 def run_pagedserve(
-    model_dir: Path, requests: int, out: Path, guided: list[float] | None = None
+    model_dir: Path,
+    requests: int,
+    out: Path,
+    guided: list[float] | None = None,
+    gateways: int = 1,
 ) -> list[dict[str, Any]]:
-    """The client's runs against one ``pagedserve up``: the standard workload, or one run per
-    fraction of ``guided`` (same seed: the same prompts, a growing share of them guided)."""
-    with pagedserve_up(str(model_dir), out.parent / "redis") as url:
+    """The client's runs against one ``pagedserve up`` (``gateways`` gateway processes): the
+    standard workload, or one run per fraction of ``guided`` (same seed: the same prompts, a
+    growing share of them guided)."""
+    with pagedserve_up(str(model_dir), out.parent / "redis", gateways=gateways) as url:
         if guided is None:
             warm_up(url, model_dir.name, model_dir, out, ignore_eos=True)
             return [bench(url, model_dir.name, model_dir, requests, out, ignore_eos=True)]
@@ -165,11 +170,11 @@ def run_pagedserve(
 
 @contextlib.contextmanager
 def pagedserve_up(
-    model: str, redis_dir: Path, device: str = "cuda", kvstore_args: str = ""
+    model: str, redis_dir: Path, device: str = "cuda", kvstore_args: str = "", gateways: int = 1
 ) -> Iterator[str]:
-    """``pagedserve up`` of ``model`` on ``device`` (``kvstore_args``: extra kvstore flags), with
-    an admin token (``$PAGEDSERVE_ADMIN_TOKEN``, set if unset); its URL once healthy; stopped
-    (SIGINT) on leaving."""
+    """``pagedserve up`` of ``model`` on ``device`` (``kvstore_args``: extra kvstore flags;
+    ``gateways``: gateway processes), with an admin token (``$PAGEDSERVE_ADMIN_TOKEN``, set if
+    unset); its URL once healthy; stopped (SIGINT) on leaving."""
     port = free_port()
     os.environ.setdefault(ADMIN_TOKEN_ENV, secrets.token_urlsafe(16))
     env = {
@@ -181,6 +186,7 @@ def pagedserve_up(
     command += ["--endpoint", f"ipc:///tmp/pagedserve-bench-{port}.sock"]  # a kvstore of its own
     if kvstore_args:
         command += [f"--kvstore-args={kvstore_args}"]
+    command += ["--gateways", str(gateways)]
     process = subprocess.Popen(command, cwd=ROOT, env=env)
     try:
         wait_http(f"http://127.0.0.1:{port}/health", process, 900, ok=True)
@@ -248,6 +254,9 @@ def main() -> None:
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--skip-engine", action="store_true")
     parser.add_argument(
+        "--gateways", default="1", help="comma-separated gateway process counts: a run each"
+    )
+    parser.add_argument(
         "--guided-fractions",
         default="",
         help="comma-separated fractions of requests asking for JSON of a random schema (e.g. "
@@ -268,8 +277,13 @@ def main() -> None:
         print("\n".join(rows))
         return
     model_dir = checkpoint(args.out / f"model-{args.shape}", args.shape)
-    [ours] = run_pagedserve(model_dir, args.requests, args.out / "pagedserve.json")
-    rows.append(row("pagedserve (HTTP)", ours))
+    http: dict[int, dict[str, Any]] = {}
+    for count in [int(n) for n in args.gateways.split(",")]:
+        out = args.out / f"pagedserve-{count}gw.json"
+        [http[count]] = run_pagedserve(model_dir, args.requests, out, gateways=count)
+        label = "" if count == 1 else f", {count} gateway processes"
+        rows.append(row(f"pagedserve (HTTP{label})", http[count]))
+    ours = next(iter(http.values()))
     if not args.skip_transformers:
         theirs = run_transformers(model_dir, args.requests, args.out / "transformers.json")
         rows.append(row("transformers serve --continuous-batching (HTTP)", theirs))
@@ -283,7 +297,8 @@ def main() -> None:
         print(f"engine alone: {engine['steps']} steps, host seconds per phase {engine['phases']}, "
               f"device seconds {engine['device_s']}")  # fmt: skip
         print(f"engine alone (bench/serve.py, token-id prompts of the same lengths): {tok_s:.0f}")
-        print(f"HTTP / engine alone: {ours['output_tok_s'] / tok_s:.2f}")
+        for count, result in http.items():
+            print(f"HTTP ({count} gateways) / engine alone: {result['output_tok_s'] / tok_s:.2f}")
     print("\n".join(rows))
 
 

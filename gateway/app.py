@@ -182,7 +182,9 @@ async def serve(app: web.Application, config: GatewayConfig) -> None:
     get ``--shutdown-timeout-s`` (once, exactly), the rest are cut with an error."""
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0)
     await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port, backlog=2048)
+    site = web.TCPSite(
+        runner, config.host, config.port, backlog=2048, reuse_port=config.reuse_port or None
+    )
     try:
         await site.start()
     except OSError as err:
@@ -190,7 +192,13 @@ async def serve(app: web.Application, config: GatewayConfig) -> None:
         if err.errno == errno.EADDRINUSE:
             raise PortInUse(f"port {config.port} on {config.host} is in use; pass --port") from None
         raise
-    log.info("gateway listening on http://%s:%d", config.host, config.port)
+    log.info(
+        "gateway listening on http://%s:%d%s (pid %d)",
+        config.host,
+        config.port,
+        " with SO_REUSEPORT" if config.reuse_port else "",
+        os.getpid(),
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):

@@ -34,6 +34,14 @@ class GatewayConfig:
     )
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
     port: int = field(default=8000, metadata={"help": "TCP port to listen on"})
+    reuse_port: bool = field(
+        default=False,
+        metadata={
+            "help": "share the port with other gateway processes (SO_REUSEPORT: the kernel "
+            "spreads connections among them); `pagedserve up --gateways N` sets it. With "
+            "PROMETHEUS_MULTIPROC_DIR set, /metrics sums the request metrics of all of them"
+        },
+    )
     redis_url: str = field(
         default="redis://127.0.0.1:6379/0",
         metadata={"help": "Redis holding the request queue and output streams"},

@@ -153,17 +153,24 @@ class Generation:
         self._inbox.put_nowait((-1, GenerationError(error)))
 
     async def deltas(self) -> AsyncIterator[list[Delta]]:
-        """The text deltas, record by record, until every sequence finished; [] after each
-        ``keepalive_s`` without any."""
+        """The text deltas until every sequence finished: those of every record already
+        waiting together (a gateway that fell behind catches up in one write per request, not
+        one per record); [] after each ``keepalive_s`` without any."""
+        pending: list[Delta] = []
         try:
             async for i, record in self._records():
                 if record is None:
                     yield []
                     continue
-                deltas = self._apply(self.prompts[i], record)
-                if deltas:
-                    yield deltas
+                pending += self._apply(self.prompts[i], record)
+                if pending and not self._inbox.qsize():
+                    yield pending
+                    pending = []
+            if pending:
+                yield pending
         except GenerationError:
+            if pending:  # what came before the error reaches the client first
+                yield pending
             self.metrics.finished("error", self.usage().prompt_tokens, self.elapsed())
             raise
         self.metrics.finished(self.finish_reason(), self.usage().prompt_tokens, self.elapsed())

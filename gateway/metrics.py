@@ -1,7 +1,10 @@
 """``/metrics``: Prometheus metrics named after vLLM's (``vllm:`` becomes ``pagedserve:``).
 
 Two sources, one per-app ``CollectorRegistry`` (never the global one, so several apps can live in
-one process):
+one process). With ``PROMETHEUS_MULTIPROC_DIR`` set (``pagedserve up --gateways N``: several
+gateway processes on one port), prometheus_client keeps the per-request metrics in files there,
+one per process, and a scrape of any gateway sums them over every gateway process (a restarted
+one's counts stay in):
 
 * measured here, per request: ``time_to_first_token_seconds``, ``inter_token_latency_seconds``
   (the gap between two deltas of one sequence), ``e2e_request_latency_seconds`` histograms;
@@ -19,16 +22,19 @@ one process):
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from kvstore import protocol as p
 
 PREFIX = "pagedserve:"
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client reads it when imported
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
 ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
@@ -161,7 +167,12 @@ class Metrics:
             registry=self.registry,
         )
         self.kvstore = KVStoreCollector(model_name)
-        self.registry.register(self.kvstore)
+        shared = os.environ.get(MULTIPROC_ENV)
+        self.exposed = self.registry  # what a scrape renders
+        if shared:
+            self.exposed = CollectorRegistry(auto_describe=False)
+            MultiProcessCollector(self.exposed, shared)
+        self.exposed.register(self.kvstore)
 
     def finished(self, reason: str, prompt_tokens: int, e2e_s: float) -> None:
         self.success.labels(self.model_name, reason).inc()
@@ -171,4 +182,4 @@ class Metrics:
     def render(self, snapshot: Snapshot) -> bytes:
         """The exposition text with the kvstore part read from ``snapshot``."""
         self.kvstore.snapshot = snapshot
-        return generate_latest(self.registry)
+        return generate_latest(self.exposed)

@@ -13,8 +13,10 @@ import errno
 import logging
 import os
 import secrets
+import shutil
 import signal
 import socket
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from contracts.endpoints import DEFAULT_ENDPOINT
 from gateway.config import ADMIN_TOKEN_ENV, GatewayConfig
+from gateway.metrics import MULTIPROC_ENV
 from pagedserve.supervisor import (
     ChildSpec,
     Interrupted,
@@ -57,6 +60,14 @@ class UpConfig:
             "help": "compute workers to start; worker i runs as --worker-id {hostname}-{port}-w{i} "
             "(port: the gateway's), so a restarted worker comes back under its id and takes "
             "its pending requests back"
+        },
+    )
+    gateways: int = field(
+        default=1,
+        metadata={
+            "help": "gateway processes, all on --port (SO_REUSEPORT: the kernel spreads "
+            "connections among them); more than one when one core cannot parse, tokenize and "
+            "stream all the requests; /metrics sums their request metrics"
         },
     )
     host: str = field(default="127.0.0.1", metadata={"help": "the gateway's listen address"})
@@ -135,6 +146,8 @@ def run_up(config: UpConfig) -> None:
         )
     except ValueError as err:
         raise SystemExit(f"pagedserve up: {err}") from None
+    if config.gateways < 1:
+        raise SystemExit(f"pagedserve up: --gateways must be at least 1, not {config.gateways}")
     _check_port_free(config.host, config.port)
     external = os.environ.get("REDIS_URL")
     server: RedisServer | None = None
@@ -145,11 +158,12 @@ def run_up(config: UpConfig) -> None:
             raise SystemExit(f"pagedserve up: redis: {err}") from None
     redis_url = server.url if server is not None else str(external)
     supervisor = Supervisor(policy, on_tick=[RedisWatch(external).check] if external else [])
+    metrics_dir = tempfile.mkdtemp(prefix="pagedserve-metrics-")  # the gateways' shared metrics
     supervisor.install_signal_handlers()
     failure, status = "", 0
     try:
         try:
-            _start_stack(supervisor, config, server, redis_url)
+            _start_stack(supervisor, config, server, redis_url, metrics_dir)
         except Interrupted:
             log.info("stopping during startup")
         except StartupError as err:
@@ -163,15 +177,21 @@ def run_up(config: UpConfig) -> None:
         supervisor.stop()
         if server is not None:
             server.close()
+        shutil.rmtree(metrics_dir, ignore_errors=True)
     if failure:
         raise SystemExit(f"pagedserve up: {failure}")
     raise SystemExit(status)
 
 
 def _start_stack(
-    supervisor: Supervisor, config: UpConfig, server: RedisServer | None, redis_url: str
+    supervisor: Supervisor,
+    config: UpConfig,
+    server: RedisServer | None,
+    redis_url: str,
+    metrics_dir: str,
 ) -> None:
-    """Starts every child in order, each once the one it needs is ready; prints the banner."""
+    """Starts every child in order, each once the one it needs is ready; prints the banner.
+    Several gateways share the port and keep their request metrics in ``metrics_dir``."""
     import shlex
     from functools import partial
 
@@ -207,8 +227,13 @@ def _start_stack(
     gateway_flags += shlex.split(config.gateway_args)
     admin_token = os.environ.get(ADMIN_TOKEN_ENV) or secrets.token_urlsafe(24)
     env = {**os.environ, ADMIN_TOKEN_ENV: admin_token}
-    gateway = partial(spawn_process, "gateway", gateway_flags, env=env, **children)
-    supervisor.start(ChildSpec("gateway", gateway, stop_order=0))
+    if config.gateways > 1:
+        gateway_flags.append("--reuse-port")
+        env[MULTIPROC_ENV] = metrics_dir
+    for i in range(config.gateways):
+        gateway = partial(spawn_process, "gateway", gateway_flags, env=env, **children)
+        name = "gateway" if config.gateways == 1 else f"gateway {i}"
+        supervisor.start(ChildSpec(name, gateway, stop_order=0))
     registered = _ready(lambda: [probe_worker(config.endpoint, i, 60.0, 5.0) for i in ids])
     supervisor.wait_until(registered, timeout_s, "the workers")
     url = f"http://{_url_host(config.host)}:{config.port}"
@@ -272,7 +297,7 @@ def _banner(config: UpConfig, url: str, redis_url: str, token: str, ids: list[st
     redis_note = "external, not restarted" if os.environ.get("REDIS_URL") else f"in {redis_dir}"
     return (
         f"pagedserve is up at {url} (redis {redact(redis_url)}, kvstore {config.endpoint}, "
-        f"{config.workers} worker(s)). Ctrl-C stops it.\n"
+        f"{config.workers} worker(s), {config.gateways} gateway process(es)). Ctrl-C stops it.\n"
         f"admin token ({ADMIN_TOKEN_ENV}): {token}\n"
         f"try: curl -N {url}/v1/completions -H 'Content-Type: application/json' -d '{body}'\n"
         f"supervised: a child that exits is restarted (backoff {config.restart_backoff_s:g} s "

@@ -143,5 +143,51 @@ def test_worker_error_raises(redis_client: redis.Redis, redis_url: str) -> None:
     assert not redis_client.exists(queue_keys.abort_key("bad"))  # it ended: nothing to abort
 
 
+async def queued(gen: Generation, records: int) -> None:
+    """Until the router has handed ``records`` records to ``gen`` (none taken yet)."""
+    while gen._inbox.qsize() < records:
+        await asyncio.sleep(0.01)
+
+
+def test_records_already_waiting_come_out_as_one_batch(
+    redis_client: redis.Redis, redis_url: str
+) -> None:
+    """A gateway that fell behind writes what waits for a request at once: one batch."""
+
+    async def scenario() -> list[list[Delta]]:
+        async with generation(redis_url, "lag", max_tokens=3) as gen:
+            published = [record("lag", 0, [1], c, offset=i) for i, c in enumerate("ab")]
+            published.append(
+                record("lag", 0, [1], "c", finish_reason="length", final=True, offset=2)
+            )
+            queue_worker.publish(redis_client, published)
+            await queued(gen, 3)
+            return await collect(gen)
+
+    batches = run(scenario())
+    assert [[d.text for d in batch] for batch in batches] == [["a", "b", "c"]]
+    assert batches[0][-1].finish_reason == "length"
+
+
+def test_text_before_a_worker_error_still_comes_out(
+    redis_client: redis.Redis, redis_url: str
+) -> None:
+    async def scenario() -> tuple[list[list[Delta]], BaseException | None]:
+        async with generation(redis_url, "late", max_tokens=10) as gen:
+            error = OutputRecord("late", finish_reason="error", error="boom", final=True)
+            queue_worker.publish(redis_client, [record("late", 0, [1], "x"), error])
+            await queued(gen, 2)
+            batches: list[list[Delta]] = []
+            try:
+                async for deltas in gen.deltas():
+                    batches.append(deltas)
+            except GenerationError as err:
+                return batches, err
+            return batches, None
+
+    batches, err = run(scenario())
+    assert texts(batches) == ["x"] and err is not None and "boom" in str(err.error.message)
+
+
 def run(coro: Any) -> Any:
     return asyncio.run(asyncio.wait_for(coro, 30))

@@ -1,0 +1,94 @@
+"""`pagedserve up --gateways 2`: two gateway processes on one port (SO_REUSEPORT), /metrics
+summing their request metrics whichever one answers, and the port still served while one of
+them is killed and restarted."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import urllib.request
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from pagedserve.redis_server import free_port
+from tests.test_up import stream_one_completion, up_command, up_env
+from tests.test_up_supervised import wait_for
+
+
+def gateway_pids(up: subprocess.Popen[bytes]) -> set[int]:
+    """`up`'s live children running `pagedserve gateway`."""
+    pids = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            argv = (stat.parent / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if int(fields[1]) == up.pid and fields[0] != "Z" and b"gateway" in argv:
+            pids.add(int(stat.parent.name))
+    return pids
+
+
+def finished_requests(url: str) -> float:
+    """``request_success_total`` summed over its labels, from one scrape of /metrics."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    counts = re.findall(r"^pagedserve:request_success_total\{[^}]*\} (\S+)$", text, re.M)
+    return sum(float(c) for c in counts)
+
+
+def test_two_gateways_share_the_port_sum_their_metrics_and_survive_a_kill(
+    tmp_path: Path,
+) -> None:
+    endpoint = f"ipc:///tmp/pagedserve-up-{uuid.uuid4().hex[:8]}.sock"
+    port, log_path = free_port(), tmp_path / "up.log"
+    flags = ["--gateways", "2", "--restart-backoff-s", "0.5"]
+    with log_path.open("wb") as log_file:
+        up = subprocess.Popen(
+            up_command(port, endpoint, tmp_path / "redis", *flags),
+            env=up_env(),
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+        )
+
+    def log() -> str:
+        return log_path.read_text(errors="replace")
+
+    try:
+        wait_for("the banner", lambda: "ids (" in log(), 180, up)
+        banner = log()[log().index("pagedserve is up") :].splitlines()
+        assert "2 gateway process(es)" in banner[0], banner
+        url = banner[0].split(" at ")[1].split(" ")[0]
+        example = banner[2].removeprefix("try: ")
+        first = gateway_pids(up)
+        assert len(first) == 2, log()
+        wait_for("both gateways", lambda: log().count("with SO_REUSEPORT") == 2, 60, up)
+        with ThreadPoolExecutor(6) as pool:  # a connection each: the kernel spreads them
+            texts = list(pool.map(lambda _: stream_one_completion(example), range(12)))
+        assert all(texts)
+        # Each scrape lands on either process and counts the requests of both.
+        assert [finished_requests(url) for _ in range(4)] == [12.0] * 4
+        killed = min(first)
+        subprocess.run(["kill", "-9", str(killed)], check=True)
+        # Connections the kernel queued on the dying process's socket are reset with it
+        # (sysctl net.ipv4.tcp_migrate_req=1 hands them to the other); once it is gone:
+        wait_for("the kill", lambda: killed not in gateway_pids(up), 30, up)
+        for _ in range(6):  # the other gateway keeps the port served meanwhile
+            assert stream_one_completion(example)
+        assert finished_requests(url) == 18.0  # the killed one's counts stay in
+        wait_for("the gateway restarted", lambda: len(gateway_pids(up) - {killed}) == 2, 60, up)
+        wait_for("it listens", lambda: log().count("with SO_REUSEPORT") == 3, 60, up)
+        with ThreadPoolExecutor(6) as pool:
+            assert all(pool.map(lambda _: stream_one_completion(example), range(6)))
+        assert [finished_requests(url) for _ in range(4)] == [24.0] * 4
+        assert "Traceback" not in log(), log()
+    finally:
+        up.send_signal(signal.SIGINT)
+        try:
+            assert up.wait(90) == 0, log()
+        except subprocess.TimeoutExpired:
+            up.kill()
+            raise
+    assert log().count("gateway stopped") == 2, log()  # both drained at Ctrl-C
