@@ -14,21 +14,11 @@ from pathlib import Path
 
 from pagedserve.redis_server import free_port
 from tests.test_up import stream_one_completion, up_command, up_env
-from tests.test_up_supervised import wait_for
+from tests.test_up_supervised import child_pids, wait_for
 
 
 def gateway_pids(up: subprocess.Popen[bytes]) -> set[int]:
-    """`up`'s live children running `pagedserve gateway`."""
-    pids = set()
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            argv = (stat.parent / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if int(fields[1]) == up.pid and fields[0] != "Z" and b"gateway" in argv:
-            pids.add(int(stat.parent.name))
-    return pids
+    return child_pids(up, "gateway")
 
 
 def finished_requests(url: str) -> float:

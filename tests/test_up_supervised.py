@@ -50,8 +50,9 @@ def worker_rows(endpoint: str) -> list[p.WorkerRow]:
         return list(client.call(p.GetStats(0)).workers)
 
 
-def child_pid(up: subprocess.Popen[bytes], command: str) -> int | None:
-    """The pid of `up`'s child running `pagedserve <command>` (None if there is none now)."""
+def child_pids(up: subprocess.Popen[bytes], command: str) -> set[int]:
+    """The pids of `up`'s live children running `pagedserve <command>`."""
+    pids = set()
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
@@ -59,8 +60,13 @@ def child_pid(up: subprocess.Popen[bytes], command: str) -> int | None:
         except OSError:
             continue
         if int(fields[1]) == up.pid and fields[0] != "Z" and command.encode() in argv:
-            return int(stat.parent.name)
-    return None
+            pids.add(int(stat.parent.name))
+    return pids
+
+
+def child_pid(up: subprocess.Popen[bytes], command: str) -> int | None:
+    """The pid of `up`'s child running `pagedserve <command>` (None if there is none now)."""
+    return min(child_pids(up, command), default=None)
 
 
 def test_up_restarts_killed_children_keeps_redis_data_and_gives_up(tmp_path: Path) -> None:
