@@ -87,6 +87,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--step-ms", type=float, default=2.0)
     parser.add_argument("--gateways", type=int, default=1, help="processes on one port")
+    parser.add_argument("--input-len", default="16:64", help="prompt tokens, min:max")
     args = parser.parse_args()
     server = EmbeddedRedis.start()
     endpoint = f"ipc:///tmp/pagedserve-gw-bench-{os.getpid()}.sock"
@@ -99,7 +100,7 @@ def main() -> None:
     flags = ["--model", "tiny", "--redis-url", server.url, "--kvstore", endpoint]
     flags += ["--port", str(port), *(["--reuse-port"] if args.gateways > 1 else [])]
     shared = tempfile.mkdtemp(prefix="pagedserve-metrics-")
-    env = {**os.environ, MULTIPROC_ENV: shared}
+    env = {**os.environ, **({MULTIPROC_ENV: shared} if args.gateways > 1 else {})}  # as `up`
     gateways = [
         spawn_process(
             "gateway", flags, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
@@ -113,7 +114,12 @@ def main() -> None:
             command = [sys.executable, "-m", "pagedserve.cli", "bench", "--base-url"]
             command += [f"http://127.0.0.1:{port}", "--model", "tiny", "--endpoint", "chat"]
             command += ["--tokenizer", "tiny", "--num-requests", str(args.requests)]
-            command += ["--input-len", "16:64", "--output-len", f"{args.tokens}:{args.tokens}"]
+            command += [
+                "--input-len",
+                args.input_len,
+                "--output-len",
+                f"{args.tokens}:{args.tokens}",
+            ]
             command += ["--result-json", str(out), "--no-progress"]
             warm = [*command, "--num-requests", "16"]  # the gateway's lazy loads, untimed
             subprocess.run(warm, cwd=ROOT, timeout=600, capture_output=True)
@@ -140,7 +146,8 @@ def main() -> None:
         f"{result['completed']}/{args.requests} requests, {tokens} tokens, "
         f"{result['output_tok_s']:.0f} out tok/s through the gateway (engine step "
         f"{args.step_ms} ms: {args.requests / args.step_ms * 1e3:.0f} tok/s offered; "
-        f"{args.gateways} gateway process(es)), TPOT p50 "
+        f"{args.gateways} gateway process(es)), TTFT p50 {result['ttft_ms']['p50']:.0f} ms, "
+        f"TPOT p50 "
         f"{result['tpot_ms']['p50']:.2f} ms; gateway CPU {spent:.2f} s = "
         f"{spent / tokens * 1e6:.1f} us per token (one core: at most "
         f"{tokens / spent if spent else 0:.0f} tok/s)"
