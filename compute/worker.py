@@ -106,7 +106,7 @@ def run(config: ComputeConfig, scheduling: SchedulerConfig) -> None:
     signal.signal(signal.SIGTERM, lambda signum, _frame: signals.append(signum))
     with KVClient(config.kvstore) as kv:
         engine = _start_engine(
-            worker_id, model, tokenizer, kv, r, config, scheduling, (profile, recompute), signals
+            worker_id, model, tokenizer, kv, r, config, scheduling, profile, recompute, signals
         )
         if engine is None:
             return
@@ -125,7 +125,8 @@ def _start_engine(
     r: redis.Redis,
     config: ComputeConfig,
     scheduling: SchedulerConfig,
-    profiles: tuple[list[tuple[int, float]], RecomputeProfile],
+    profile: list[tuple[int, float]],
+    recompute: RecomputeProfile,
     signals: list[int],
 ) -> Engine | None:
     """The engine, once the kvstore and Redis answer (retried with backoff; None if a signal
@@ -142,11 +143,11 @@ def _start_engine(
                 kv,
                 r,
                 scheduling,
-                profiles[0],
+                profile,
                 config.claim_idle_ms,
                 config.cuda_graph_max_batch,
                 config.cuda_graph_max_tokens,
-                profiles[1],
+                recompute,
             )
         except RECOVERABLE as err:
             log.warning("cannot start serving yet (%s): retrying in %.1f s", err, delay)

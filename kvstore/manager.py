@@ -170,7 +170,10 @@ class KVCacheManager:
             hit = self.index.lookup(request.keys, request.contents, num_tokens, record)
         used = hit.gpu_run
         missing = [i for i in range(used, len(hit.gpu)) if hit.gpu[i] is None]
-        choice = self._prefix_choice(request, hit, missing) if record and missing else None
+        choice, running = None, 0
+        if record and missing:
+            running = self._running(request.worker)
+            choice = self._prefix_choice(request, hit, missing, running)
         load = choice is not None and choice.mode == "load"
         if load:
             used = len(hit.gpu)
@@ -185,7 +188,7 @@ class KVCacheManager:
                 f"{self.watermark_blocks}-block watermark",
             )
         if choice is not None:
-            self._record_prefix_decision(request, hit, missing, choice, now)
+            self._record_prefix_decision(request, hit, missing, choice, now, running > 0)
         for block in gpu_hits:
             self.pool.ref(block)
         table: list[int | None] = list(hit.gpu[:used])
@@ -208,7 +211,9 @@ class KVCacheManager:
             request.req_id, list(request.block_ids), request.num_computed, request.num_cached_tokens
         )
 
-    def _prefix_choice(self, request: Request, hit: LookupResult, missing: list[int]) -> Choice:
+    def _prefix_choice(
+        self, request: Request, hit: LookupResult, missing: list[int], running: int
+    ) -> Choice:
         bs = self.block_size
         return self.pricing.prefix_load(
             request.worker,
@@ -216,7 +221,7 @@ class KVCacheManager:
             (len(hit.gpu) - hit.gpu_run) * bs,
             hit.gpu_run * bs,
             max(len(request.token_ids) - len(hit.gpu) * bs, 0),
-            self._running(request.worker),
+            running,
         )
 
     def _running(self, worker: str) -> int:
@@ -226,15 +231,22 @@ class KVCacheManager:
         )
 
     def _record_prefix_decision(
-        self, request: Request, hit: LookupResult, missing: list[int], choice: Choice, now: float
+        self,
+        request: Request,
+        hit: LookupResult,
+        missing: list[int],
+        choice: Choice,
+        now: float,
+        busy: bool,
     ) -> None:
+        """Logs ``choice``; a load remembers ``busy`` (the worker ran others) for its timing."""
         tokens = (len(hit.gpu) - hit.gpu_run) * self.block_size
         decision = self.decisions.record(
             request.req_id, now, len(missing), tokens, choice, kind="prefix"
         )
         request.decision_id = decision.id
         if choice.mode == "load":
-            self._load_busy[decision.id] = self._running(request.worker) > 0
+            self._load_busy[decision.id] = busy
         else:
             self.store.counts["recomputed"] += len(missing)
 

@@ -13,8 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from pagedserve.redis_server import free_port
-from tests.test_up import stream_one_completion, up_command, up_env
-from tests.test_up_supervised import child_pids, wait_for
+from tests.test_up import stream_one_completion, up_command
+from tests.test_up_supervised import child_pids, start_logged, wait_for
 
 
 def gateway_pids(up: subprocess.Popen[bytes]) -> set[int]:
@@ -35,17 +35,7 @@ def test_two_gateways_share_the_port_sum_their_metrics_and_survive_a_kill(
     endpoint = f"ipc:///tmp/pagedserve-up-{uuid.uuid4().hex[:8]}.sock"
     port, log_path = free_port(), tmp_path / "up.log"
     flags = ["--gateways", "2", "--restart-backoff-s", "0.5"]
-    with log_path.open("wb") as log_file:
-        up = subprocess.Popen(
-            up_command(port, endpoint, tmp_path / "redis", *flags),
-            env=up_env(),
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-        )
-
-    def log() -> str:
-        return log_path.read_text(errors="replace")
-
+    up, log = start_logged(up_command(port, endpoint, tmp_path / "redis", *flags), log_path)
     try:
         wait_for("the banner", lambda: "ids (" in log(), 180, up)
         banner = log()[log().index("pagedserve is up") :].splitlines()

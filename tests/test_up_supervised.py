@@ -50,6 +50,15 @@ def worker_rows(endpoint: str) -> list[p.WorkerRow]:
         return list(client.call(p.GetStats(0)).workers)
 
 
+def start_logged(
+    command: list[str], log_path: Path
+) -> tuple[subprocess.Popen[bytes], Callable[[], str]]:
+    """`up` started with its output in ``log_path``, and a reader of that log so far."""
+    with log_path.open("wb") as log_file:
+        up = subprocess.Popen(command, env=up_env(), stdout=log_file, stderr=subprocess.STDOUT)
+    return up, lambda: log_path.read_text(errors="replace")
+
+
 def child_pids(up: subprocess.Popen[bytes], command: str) -> set[int]:
     """The pids of `up`'s live children running `pagedserve <command>`."""
     pids = set()
@@ -78,17 +87,7 @@ def test_up_restarts_killed_children_keeps_redis_data_and_gives_up(tmp_path: Pat
     port, redis_dir, log_path = free_port(), tmp_path / "redis", tmp_path / "up.log"
     worker_id = f"{socket.gethostname()}-{port}-w0"
     policy = ["--restart-backoff-s", "0.5", "--max-restarts", "2", "--healthy-after-s", "600"]
-    with log_path.open("wb") as log_file:
-        up = subprocess.Popen(
-            up_command(port, endpoint, redis_dir, *policy),
-            env=up_env(),
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-        )
-
-    def log() -> str:
-        return log_path.read_text(errors="replace")
-
+    up, log = start_logged(up_command(port, endpoint, redis_dir, *policy), log_path)
     try:
         wait_for("the banner", lambda: "ids (" in log(), 120, up)
         banner = log()[log().index("pagedserve is up") :].splitlines()
