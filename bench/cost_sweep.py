@@ -161,7 +161,7 @@ def header_lines(
     commit = (git("rev-parse", "--short", "HEAD") or "unknown") + dirty
     cuda = args.device == "cuda"
     gpu = torch.cuda.get_device_name() if cuda else "CPU (tiny model)"
-    graphs = f"decode graphs, piecewise graphs to {args.graph_tokens} tokens"
+    graphs = f"decode graphs, mixed-step graphs to {args.graph_tokens} tokens"
     graphs = graphs if cuda and not args.eager else "eager"
     cal, us = rig.calibration, 1e6
     lines = [
@@ -231,7 +231,7 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
             "nothing, which a request never has)",
         ),
         ("--budget", int, SchedulerConfig().max_num_batched_tokens, "tokens per step at most"),
-        ("--graph-tokens", int, 2048, "piecewise CUDA graphs up to this many tokens, as a worker"),
+        ("--graph-tokens", int, 2048, "CUDA graphs of mixed steps up to this many tokens"),
         ("--repeats", int, 5, "timed runs of each path (median), after a warm-up"),
         ("--folds", int, 2, "folds of --recalibrate's refit on the grid"),
         (

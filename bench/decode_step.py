@@ -13,7 +13,7 @@ Triton kernels) over a local paged pool; CUDA events around the replay alone tim
 per kernel name, and how much of the replay is kernel time (the rest: gaps between kernels).
 
 ``--prefill N`` times a mixed step instead: the batch's decodes beside one prompt chunk of N
-tokens, as the engine runs it (``ModelRunner.forward``: eagerly, or replaying piecewise graphs
+tokens, as the engine runs it (``ModelRunner.forward``: eagerly, or replaying graphs of mixed steps
 with ``--graph-tokens``). It reports the host time to enqueue
 the step, the device time from its first kernel to its last with the host ahead (the step
 enqueued behind a sleeping kernel), and with ``--host-profile`` the functions that cost the
@@ -49,7 +49,7 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, default=0, help="time a mixed step: N prompt tokens")
     parser.add_argument("--host-profile", action="store_true", help="cProfile the mixed step")
     parser.add_argument(
-        "--graph-tokens", type=int, default=0, help="mixed step: piecewise graphs up to N tokens"
+        "--graph-tokens", type=int, default=0, help="mixed step: CUDA graphs up to N tokens"
     )
     args = parser.parse_args()
     config = llama_1b_config()
@@ -127,7 +127,7 @@ def mixed_step(runner: ModelRunner, batch: list[ScheduledChunk], args: argparse.
         end.synchronize()
         device.append(start.elapsed_time(end))
     tokens = sum(len(c.token_ids) for c in batch)
-    mode = f"piecewise graphs to {args.graph_tokens} tokens" if args.graph_tokens else "eager"
+    mode = f"mixed-step graphs to {args.graph_tokens} tokens" if args.graph_tokens else "eager"
     print(
         f"mixed step ({mode}): {len(batch) - 1} decodes (context {args.context}) + "
         f"{args.prefill} prompt tokens = {tokens} tokens: host enqueue "

@@ -41,6 +41,8 @@ sys.path.insert(0, str(ROOT))
 from gateway.config import ADMIN_TOKEN_ENV  # noqa: E402
 from pagedserve.redis_server import free_port  # noqa: E402
 
+# The engines send their step totals about once a second: after a run, wait for the next ones.
+TIMELINE_WAIT_S = 1.5
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 
 
@@ -158,13 +160,19 @@ def run_pagedserve(
     with pagedserve_up(str(model_dir), out.parent / "redis", gateways=gateways) as url:
         if guided is None:
             warm_up(url, model_dir.name, model_dir, out, ignore_eos=True)
-            return [bench(url, model_dir.name, model_dir, requests, out, ignore_eos=True)]
+            before = timelines(url)
+            result = bench(url, model_dir.name, model_dir, requests, out, ignore_eos=True)
+            time.sleep(TIMELINE_WAIT_S)
+            result["worker_timeline"] = timeline_delta(before, timelines(url))
+            print(f"worker step timeline over the run ({gateways} gateways): "
+                  f"{result['worker_timeline']}")  # fmt: skip
+            return [result]
         warm_up(url, model_dir.name, model_dir, out, True, guided=max(guided))
         runs = []
         for fraction in guided:  # the same prompts each time: none finds the last run's cached
             reset_prefix_cache(url)
-            result = out.with_suffix(f".{fraction}.json")
-            runs.append(bench(url, model_dir.name, model_dir, requests, result, True, 0, fraction))
+            path = out.with_suffix(f".{fraction}.json")
+            runs.append(bench(url, model_dir.name, model_dir, requests, path, True, 0, fraction))
         return runs
 
 
@@ -201,6 +209,32 @@ def admin(url: str, path: str, method: str = "GET") -> Any:
     request = urllib.request.Request(f"{url}{path}", method=method, headers=headers)
     with urllib.request.urlopen(request, timeout=30) as response:
         return json.loads(response.read())
+
+
+def timelines(url: str) -> dict[str, Any]:
+    """The workers' running step totals (``/admin/requests``), by worker id."""
+    return {w["worker_id"]: w["timeline"] for w in admin(url, "/admin/requests")["workers"]}
+
+
+def timeline_delta(before: dict[str, Any], after: dict[str, Any]) -> str:
+    """Steps, tokens, device and host ms per phase between two ``timelines`` (the engines
+    send their totals about once a second: the last second of the run may be missing, and
+    steps of an idle engine after it count, their ``redis_in`` waiting for requests)."""
+    parts = []
+    for worker, end in after.items():
+        start = before.get(worker) or {"steps": 0, "tokens": 0, "device_s": 0.0, "phase_s": {}}
+        if not end:
+            continue
+        steps = end["steps"] - start["steps"]
+        phases = {
+            k: round((v - start["phase_s"].get(k, 0.0)) * 1e3) for k, v in end["phase_s"].items()
+        }
+        device_ms = round((end["device_s"] - start["device_s"]) * 1e3)
+        tokens = end["tokens"] - start["tokens"]
+        parts.append(
+            f"{worker}: {steps} steps, {tokens} tokens, device {device_ms} ms, host ms {phases}"
+        )
+    return "; ".join(parts)
 
 
 def reset_prefix_cache(url: str) -> None:
@@ -285,9 +319,14 @@ def main() -> None:
         rows.append(row(f"pagedserve (HTTP{label})", http[count]))
     ours = next(iter(http.values()))
     if not args.skip_transformers:
-        theirs = run_transformers(model_dir, args.requests, args.out / "transformers.json")
-        rows.append(row("transformers serve --continuous-batching (HTTP)", theirs))
-        print(f"pagedserve / transformers: {ours['output_tok_s'] / theirs['output_tok_s']:.2f}x")
+        try:
+            theirs = run_transformers(model_dir, args.requests, args.out / "transformers.json")
+        except RuntimeError as err:  # e.g. an image without transformers[serving]'s packages
+            print(f"transformers serve did not run ({err}; its output is above): skipped")
+        else:
+            rows.append(row("transformers serve --continuous-batching (HTTP)", theirs))
+            ratio = ours["output_tok_s"] / theirs["output_tok_s"]
+            print(f"pagedserve / transformers: {ratio:.2f}x")
     if not args.skip_engine:
         command = [sys.executable, "bench/serve.py", "--mode", "ours", "--shape", args.shape]
         command += ["--requests", str(args.requests), "--max-num-seqs", "256"]  # the worker's

@@ -33,7 +33,14 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.http_serve import admin, checkpoint, client, pagedserve_up  # noqa: E402
+from bench.http_serve import (  # noqa: E402
+    admin,
+    checkpoint,
+    client,
+    pagedserve_up,
+    timeline_delta,
+    timelines,
+)
 
 GiB = 1 << 30
 TIER_FLAG = "--cpu-prefix-cache"
@@ -168,31 +175,6 @@ def one_run(
     print(f"/admin/cache after the run (tier {name}): {json.dumps(cache)}", flush=True)
     print(f"worker step timeline over the run (tier {name}): {result['worker_timeline']}")
     return result
-
-
-def timelines(url: str) -> dict[str, Any]:
-    """The workers' running step totals (``/admin/requests``), by worker id."""
-    return {w["worker_id"]: w["timeline"] for w in admin(url, "/admin/requests")["workers"]}
-
-
-def timeline_delta(before: dict[str, Any], after: dict[str, Any]) -> str:
-    """Steps, tokens, device and host ms per phase between two ``timelines`` (the engines
-    send their totals about once a second: the last second of the run may be missing)."""
-    parts = []
-    for worker, end in after.items():
-        start = before.get(worker) or {"steps": 0, "tokens": 0, "device_s": 0.0, "phase_s": {}}
-        if not end:
-            continue
-        steps = end["steps"] - start["steps"]
-        phases = {
-            k: round((v - start["phase_s"].get(k, 0.0)) * 1e3) for k, v in end["phase_s"].items()
-        }
-        device_ms = round((end["device_s"] - start["device_s"]) * 1e3)
-        tokens = end["tokens"] - start["tokens"]
-        parts.append(
-            f"{worker}: {steps} steps, {tokens} tokens, device {device_ms} ms, host ms {phases}"
-        )
-    return "; ".join(parts)
 
 
 def table(results: dict[str, dict[str, Any]]) -> str:

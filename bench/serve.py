@@ -343,7 +343,7 @@ def main() -> None:
         "--graph-tokens",
         type=int,
         default=2048,
-        help="piecewise graphs up to; 0: eager mixed steps",
+        help="CUDA graphs of mixed steps up to; 0: eager",
     )
     parser.add_argument("--skip-baselines", action="store_true")
     parser.add_argument("--mode", choices=["ours", "hf-cb", "hf-static"])

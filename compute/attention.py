@@ -60,10 +60,16 @@ class PagedBatch:
     max_context_len: int  # largest context_lens entry (host int)
     pool: torch.Tensor  # [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]
     num_decodes: int = 0  # the first chunks that are one token each (rows 0..num_decodes-1)
-    # Set while piecewise CUDA graphs are captured (``compute.piecewise``): each layer stores
-    # its K/V, then hands (layer, query [T, Hq, D], scaling, sliding window) to ``split`` and
-    # returns its result, [T, Hq, D], instead of attending.
-    split: Callable[[int, torch.Tensor, float, int | None], torch.Tensor] | None = None
+    # Set in a CUDA graph of mixed steps (``compute.mixed_graphs``), where the step's work is
+    # read on the device: decode_count [1] int32 (the leading one-token chunks), tiles [N, 2]
+    # int32 (the prompt chunks' (chunk, query tile) pairs) and tile_count [1] int32 (how many
+    # of them are the step's); ``num_decodes`` and ``max_query_len`` are unused then.
+    decode_count: torch.Tensor | None = None
+    tiles: torch.Tensor | None = None
+    tile_count: torch.Tensor | None = None
+    # Called by every layer before it attends, with its index and sliding window: a graph
+    # learns the windows it must check on the host when it replays.
+    observe: Callable[[int, int | None], None] | None = None
 
 
 def store_kv_inplace(
@@ -131,10 +137,11 @@ def paged_attention_forward(
         raise ValueError("paged attention takes no attention_mask (packed batch, causal by rows)")
     if softcap is not None:
         raise NotImplementedError("paged attention does not support logit softcapping")
-    if paged.split is None:  # else the replay checks the step's contexts
-        check_window(sliding_window, paged.max_context_len)
+    check_window(sliding_window, paged.max_context_len)  # 0 in a graph: checked at replay
     assert query.shape[0] == 1, f"packed batch expected, got query {tuple(query.shape)}"
     layer = cast(int, module.layer_idx)  # torch types a Module's attributes Tensor | Module
+    if paged.observe is not None:
+        paged.observe(layer, sliding_window)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     q = query[0].transpose(0, 1)  # [T, Hq, D]
@@ -145,8 +152,6 @@ def paged_attention_forward(
     else:
         store = store_kv_inplace
     store(k, v, paged.pool[:, layer, 0], paged.pool[:, layer, 1], paged.slot_mapping)
-    if paged.split is not None:
-        return paged.split(layer, q, scaling, sliding_window).unsqueeze(0), None
     return attend(q, layer, paged, scaling).unsqueeze(0), None  # [1, T, Hq, D]
 
 
@@ -167,16 +172,26 @@ def attend(
 ) -> torch.Tensor:
     """Attention of a step's packed queries q [T, Hq, D] over the pool's layer ``layer`` (its
     K/V already stored): ``paged.num_decodes`` leading decodes through the decode kernel, the
-    other chunks through the prefill kernel. Writes into ``out`` ([T, Hq, D], q's dtype) if
-    given, else a new tensor; returns it."""
+    other chunks through the prefill kernel (their graph forms when ``paged.tiles`` is set).
+    Writes into ``out`` ([T, Hq, D], q's dtype) if given, else a new tensor; returns it."""
     k_cache = paged.pool[:, layer, 0]  # [num_blocks, block_size, Hkv, D]
     v_cache = paged.pool[:, layer, 1]
+    out = torch.empty_like(q) if out is None else out
+    if paged.tiles is not None:  # a mixed step's CUDA graph: counts and tiles on the device
+        from kernels import paged_decode, paged_prefill
+
+        tables, cu, lens = paged.block_tables, paged.cu_seqlens_q, paged.context_lens
+        rows = lens.shape[0]  # as many as the bucket can have chunks; the first count decode
+        paged_decode(q[:rows], k_cache, v_cache, tables, lens, scaling, out=out[:rows],
+                     count=paged.decode_count)  # fmt: skip
+        paged_prefill(q, k_cache, v_cache, tables, cu, lens, scaling, out=out, tiles=paged.tiles,
+                      num_tiles=paged.tile_count)  # fmt: skip
+        return out
     if q.is_cuda:
         from kernels import paged_decode as decode
         from kernels import paged_prefill as prefill
     else:
         decode, prefill = paged_decode_reference, paged_prefill_reference
-    out = torch.empty_like(q) if out is None else out
     d, batch = paged.num_decodes, paged.context_lens.shape[0]
     if d > 0:
         tables, lens = paged.block_tables[:d], paged.context_lens[:d]

@@ -92,8 +92,8 @@ class Engine:
         this long belongs to a dead worker and this one takes it over (live workers renew theirs
         every ``claim_idle_ms / 4``). ``cuda_graph_max_batch``: decode steps up to that size
         replay CUDA graphs; ``cuda_graph_max_tokens``: other steps up to that many tokens
-        replay piecewise graphs (CUDA only, ``ModelRunner``). The profiles go to the kvstore's
-        cost model (``compute.profile``)."""
+        replay CUDA graphs of mixed steps (CUDA only, ``ModelRunner``). The profiles go to the
+        kvstore's cost model (``compute.profile``)."""
         self.worker_id = worker_id
         self.model = model
         self.tokenizer = tokenizer
@@ -178,7 +178,9 @@ class Engine:
             )
         graphs = min(self.cuda_graph_max_batch, self.config.max_num_seqs)
         tokens = min(self.cuda_graph_max_tokens, self.config.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, pool, info.block_size, graphs, tokens)
+        self.runner = ModelRunner(
+            self.model, pool, info.block_size, graphs, tokens, self.config.max_num_seqs
+        )
         self._pool = info
 
     def recover(self, error: Exception, stop: Callable[[], bool]) -> bool:

@@ -20,7 +20,7 @@ import torch
 from transformers import PreTrainedModel
 
 from compute.attention import PagedBatch
-from compute.transfer import host_tensor
+from compute.transfer import Staging
 
 log = logging.getLogger("pagedserve.compute")
 
@@ -61,16 +61,8 @@ class DecodeGraphs:
         self.cu = torch.arange(max_batch + 1, dtype=torch.int32, device=device)  # [B + 1]
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.replays = 0  # a counter
-        # A step's inputs travel in one copy: written into one of two pinned host buffers (the
-        # other may still be read by the copy of the step before), copied to one device buffer,
-        # then scattered into the static inputs on the device. A fresh pinned tensor per input
-        # would go through the caching host allocator, whose blocks stay busy until the device
-        # has run their copies.
-        room = max_batch * (6 + max_blocks)  # ids, positions, slots, context, table, feed
-        self._staging = [torch.empty(room, dtype=torch.int64, pin_memory=True) for _ in range(2)]
-        self._copied: list[torch.cuda.Event | None] = [None, None]
-        self._parity = 0
-        self._device_staging = torch.empty(room, dtype=torch.int64, device=device)
+        # ids, positions, slots, context, table, feed: one copy per step
+        self._staging = Staging(max_batch * (6 + max_blocks), device)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -128,18 +120,9 @@ class DecodeGraphs:
         values = [*ids, *[0] * pad, *positions, *[0] * pad, *slots, *[-1] * pad]
         values += [*context_lens, *[0] * pad, *(b for row in table for b in row)]
         values += [*(feed[1][i] for i in fed), *fed] if feed is not None else []
-        n = len(values)
-        host, copied = self._staging[self._parity], self._copied[self._parity]
-        if copied is not None:
-            copied.synchronize()  # the copy out of this buffer, two steps ago, has run
-        host[:n] = host_tensor(values)
-        staged = self._device_staging[:n]
-        staged.copy_(host[:n], non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self._copied[self._parity] = event
-        self._parity ^= 1
-        parts = staged.split([size, size, size, size, batch * width, len(fed), len(fed)])
+        parts = self._staging.copy(values).split(
+            [size, size, size, size, batch * width, len(fed), len(fed)]
+        )
         self.input_ids[0, :size].copy_(parts[0])
         self.positions[0, :size].copy_(parts[1])
         self.slots[:size].copy_(parts[2])

@@ -4,7 +4,7 @@ At registration a worker reports two profiles:
 - ``measure_prefill``: ``(tokens, seconds)`` of eager forwards from an empty context; the kvstore
   interpolates them to price recomputing a preempted request against swapping it;
 - ``measure_recompute``: ``(tokens, context, seconds)`` of forwards prefilling ``tokens`` after
-  ``context`` cached tokens, run as the worker runs them (piecewise CUDA graphs where it uses
+  ``context`` cached tokens, run as the worker runs them (CUDA graphs of mixed steps where it uses
   them); the kvstore fits them to price recomputing a prefix against loading it from its CPU tier.
 The timings run on a scratch pool of the worker's own (a worker never writes into blocks the
 kvstore did not issue), one chunk at a time, after a warm-up, synchronised, median of a few runs.
@@ -67,7 +67,7 @@ def measure_recompute(
     repeats: int = 3,
 ) -> RecomputeProfile:
     """Median seconds of one forward prefilling ``tokens`` after ``context`` cached tokens, for
-    each pair; ``graph_tokens`` > 0 (CUDA): through piecewise CUDA graphs of steps up to that
+    each pair; ``graph_tokens`` > 0 (CUDA): through the CUDA graphs of mixed steps up to that
     many tokens, as the worker's runner takes them (captured for this scratch pool, then freed;
     their sizes come with the points). Pairs past ``max_position_embeddings`` are left out."""
     limit = getattr(model.config.get_text_config(), "max_position_embeddings", None) or 1 << 30
@@ -76,8 +76,8 @@ def measure_recompute(
         raise ValueError(f"no recompute point fits {limit} positions")
     longest = max(c + t for c, t in pairs)
     pool = _scratch_pool(model, block_size, longest, zeroed=True)
-    pieces = min(graph_tokens, max(t for _, t in pairs))
-    runner = ModelRunner(model, pool, block_size, 0, pieces)
+    graphed = min(graph_tokens, max(t for _, t in pairs))
+    runner = ModelRunner(model, pool, block_size, 0, graphed)
     vocab = model.config.get_text_config().vocab_size
     generator = torch.Generator().manual_seed(1)
     table = list(range(-(-longest // block_size)))
@@ -87,7 +87,7 @@ def measure_recompute(
         seconds = _median_forward(runner, [ScheduledChunk(prompt, context, table)], repeats)
         profile.append((tokens, context, seconds))
         log.info("recompute profile: %d tokens after %d in %.2f ms", tokens, context, seconds * 1e3)
-    buckets = list(runner.pieces.buckets) if runner.pieces is not None else []
+    buckets = list(runner.mixed.buckets) if runner.mixed is not None else []
     del runner, pool
     if model.device.type == "cuda":
         torch.cuda.empty_cache()

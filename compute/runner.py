@@ -20,7 +20,7 @@ from transformers import PreTrainedModel
 
 from compute.attention import ATTN_NAME, PagedBatch, copy_blocks_inplace
 from compute.graphs import DecodeGraphs
-from compute.piecewise import PIECEWISE_MODEL_TYPES, PiecewiseGraphs
+from compute.mixed_graphs import MIXED_GRAPH_MODEL_TYPES, MixedGraphs
 from compute.transfer import to_device
 from contracts.model_config import kv_geometry
 
@@ -81,12 +81,13 @@ class ModelRunner:
         block_size: int,
         cuda_graph_max_batch: int = 0,
         cuda_graph_max_tokens: int = 0,
+        max_chunks: int = 256,
     ) -> None:
         """``cuda_graph_max_batch`` > 0 (CUDA only): capture decode forwards of up to that many
         requests as CUDA graphs now, and replay them for decode-only steps.
-        ``cuda_graph_max_tokens`` > 0 (CUDA, Llama/Mistral/Qwen2/Qwen3): capture the pieces of
-        forwards of up to that many tokens between attentions (``compute.piecewise``), and
-        replay them for the other steps that fit."""
+        ``cuda_graph_max_tokens`` > 0 (CUDA, Llama/Mistral/Qwen2/Qwen3): capture forwards of up
+        to that many tokens in up to ``max_chunks`` chunks (``compute.mixed_graphs``), and replay
+        them for the other steps that fit."""
         config = model.config
         if config._attn_implementation != ATTN_NAME:
             raise ValueError(
@@ -117,18 +118,19 @@ class ModelRunner:
 
             compile_variants(pool[:, 0, 0], pool[:, 0, 1], int(config.num_attention_heads))
         self.graphs: DecodeGraphs | None = None
+        max_blocks = -(-config.max_position_embeddings // block_size)
         if cuda_graph_max_batch > 0 and pool.is_cuda:
-            max_blocks = -(-config.max_position_embeddings // block_size)
             self.graphs = DecodeGraphs(model, pool, block_size, cuda_graph_max_batch, max_blocks)
             self.graphs.capture()
-        self.pieces: PiecewiseGraphs | None = None
+        self.mixed: MixedGraphs | None = None
         if cuda_graph_max_tokens > 0 and pool.is_cuda:
-            if config.model_type in PIECEWISE_MODEL_TYPES:
-                self.pieces = PiecewiseGraphs(model, pool, cuda_graph_max_tokens)
-                self.pieces.capture()
+            if config.model_type in MIXED_GRAPH_MODEL_TYPES:
+                chunks = min(max_chunks, cuda_graph_max_tokens)
+                self.mixed = MixedGraphs(model, pool, cuda_graph_max_tokens, chunks, max_blocks)
+                self.mixed.capture()
             else:
                 log.info(
-                    "no piecewise CUDA graphs for %s models: mixed steps run eagerly",
+                    "no CUDA graphs of mixed steps for %s models: they run eagerly",
                     config.model_type,
                 )
 
@@ -178,13 +180,7 @@ class ModelRunner:
             return to_device(values, self.device, dtype)
 
         cu = packed.cu
-        keep = [end - 1 for end in cu[1:]]  # each chunk's last row
-        if any(chunk.every_row for chunk in batch):
-            keep = [
-                row
-                for chunk, start, end in zip(batch, cu, cu[1:], strict=False)
-                for row in (range(start, end) if chunk.every_row else (end - 1,))
-            ]
+        keep = self.kept_rows(batch, cu)
         inputs = {
             "input_ids": tensor([packed.ids], torch.int64),  # [1, T]
             "position_ids": tensor([packed.positions], torch.int64),  # [1, T]
@@ -199,9 +195,26 @@ class ModelRunner:
             max_query_len=max_query_len,
             max_context_len=max(packed.context_lens),
             pool=self.pool,
-            num_decodes=next((i for i, c in enumerate(batch) if len(c.token_ids) > 1), len(batch)),
+            num_decodes=self.leading_decodes(batch),
         )
         return inputs, paged
+
+    @staticmethod
+    def kept_rows(batch: Sequence[ScheduledChunk], cu: list[int]) -> list[int]:
+        """The packed rows whose logits a step returns: each chunk's last row, every row of an
+        ``every_row`` chunk."""
+        if not any(chunk.every_row for chunk in batch):
+            return [end - 1 for end in cu[1:]]
+        return [
+            row
+            for chunk, start, end in zip(batch, cu, cu[1:], strict=False)
+            for row in (range(start, end) if chunk.every_row else (end - 1,))
+        ]
+
+    @staticmethod
+    def leading_decodes(batch: Sequence[ScheduledChunk]) -> int:
+        """How many chunks at the head of the step are one token each."""
+        return next((i for i, c in enumerate(batch) if len(c.token_ids) > 1), len(batch))
 
     @torch.inference_mode()
     def forward(self, batch: Sequence[ScheduledChunk], feed: Feed | None = None) -> torch.Tensor:
@@ -223,13 +236,21 @@ class ModelRunner:
                     source = (feed.source, rows)
                 graphs.load(p.ids, p.positions, p.slots, p.table, p.context_lens, source)
                 return graphs.replay(len(batch)).float()
+        mixed = self.mixed
+        tokens = sum(len(chunk.token_ids) for chunk in batch)
+        if mixed is not None and mixed.fits(tokens, len(batch), self._width(batch)):
+            p = self.pack(batch)
+            fed = (feed.source, feed.rows, [p.cu[i] for i in feed.chunks]) if feed else None
+            keep = self.kept_rows(batch, p.cu)
+            leading = self.leading_decodes(batch)
+            logits = mixed.replay(
+                p.ids, p.positions, p.slots, p.cu, p.context_lens, p.table, leading, keep, fed
+            )
+            return logits.float()
         inputs, paged = self.prepare(batch)
         if feed is not None:
             cu = self.pack_offsets(batch)
             self._scatter(inputs["input_ids"][0], feed, [cu[i] for i in feed.chunks])
-        ids, keep = inputs["input_ids"], inputs["logits_to_keep"]
-        if self.pieces is not None and self.pieces.fits(ids.shape[1]):
-            return self.pieces.replay(ids, inputs["position_ids"], paged, keep).float()
         out = self.model(**inputs, use_cache=False, paged=paged)
         return out.logits[0].float()  # [B, vocab]
 
@@ -237,6 +258,11 @@ class ModelRunner:
         """input_ids[positions[i]] = feed.source[feed.rows[i]], on the device."""
         rows = to_device(feed.rows, self.device)
         input_ids.index_copy_(0, to_device(positions, self.device), feed.source[rows])
+
+    def _width(self, batch: Sequence[ScheduledChunk]) -> int:
+        """Blocks the step's longest context reads."""
+        bs = self.block_size
+        return max(-(-(chunk.start + len(chunk.token_ids)) // bs) for chunk in batch)
 
     @staticmethod
     def pack_offsets(batch: Sequence[ScheduledChunk]) -> list[int]:

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["host_tensor", "to_device"]
+__all__ = ["Staging", "host_tensor", "to_device"]
 
 # array.array type codes of the dtypes host_tensor builds through an array
 _ARRAY_CODES = {torch.int64: "q", torch.int32: "i", torch.float32: "f", torch.float64: "d"}
@@ -48,3 +48,36 @@ def to_device(
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
+
+
+class Staging:
+    """One host-to-device copy per step for a CUDA graph's inputs: the values are written into
+    one of two pinned host buffers (the other may still be read by the copy of the step before)
+    and copied to one device buffer, which the caller scatters into its static inputs on the
+    device. A fresh pinned tensor per input would go through the caching host allocator, whose
+    blocks stay busy until the device has run their copies."""
+
+    def __init__(self, room: int, device: torch.device) -> None:
+        self._host = [torch.empty(room, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        self._copied: list[torch.cuda.Event | None] = [None, None]
+        self._parity = 0
+        self._device = torch.empty(room, dtype=torch.int64, device=device)
+
+    def copy(self, values: list[int]) -> torch.Tensor:
+        """``values`` on the device ([len(values)] int64, a view of the device buffer valid
+        until the next ``copy``'s scatter is enqueued), without waiting for the device except
+        for the copy out of this host buffer two calls ago."""
+        n = len(values)
+        if n > self._device.numel():
+            raise ValueError(f"{n} values overflow a staging buffer of {self._device.numel()}")
+        host, copied = self._host[self._parity], self._copied[self._parity]
+        if copied is not None:
+            copied.synchronize()
+        host[:n] = host_tensor(values)
+        staged = self._device[:n]
+        staged.copy_(host[:n], non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._copied[self._parity] = event
+        self._parity ^= 1
+        return staged

@@ -19,14 +19,16 @@ from kernels._checks import (
     cdiv,
     check_attention_args,
     check_block_tables,
+    check_dense,
     check_index,
     check_optional_int,
     check_out,
+    check_tensor,
     next_pow2,
 )
 from kernels._tl_utils import jit, load_rows, mma
 
-__all__ = ["paged_prefill", "prefill_config"]
+__all__ = ["paged_prefill", "prefill_config", "prefill_tile_tokens", "prefill_tiles"]
 
 LOG2E = 1.4426950408889634
 
@@ -85,6 +87,8 @@ def _prefill_kernel(
     bt_ptr: tl.tensor,
     cu_ptr: tl.tensor,
     cl_ptr: tl.tensor,
+    tiles_ptr: tl.tensor,
+    num_tiles_ptr: tl.tensor,
     out_ptr: tl.tensor,
     qk_scale: tl.tensor,
     kv_heads: tl.tensor,
@@ -105,12 +109,21 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr,
+    TILE_LIST: tl.constexpr,
 ) -> None:
     """Grid ((B - first) * kv_heads, num_m_tiles); tiles with the most keys are scheduled
-    first."""
-    b = first + tl.program_id(0) // kv_heads
+    first. ``TILE_LIST``: grid (capacity * kv_heads, 1), program p works on the (chunk, tile)
+    pair p // kv_heads of ``tiles_ptr`` if it is below ``num_tiles_ptr[0]``."""
     hkv = tl.program_id(0) % kv_heads
-    tile = num_m_tiles - 1 - tl.program_id(1)
+    if TILE_LIST:
+        item = tl.program_id(0) // kv_heads
+        if item >= tl.load(num_tiles_ptr):
+            return
+        b = tl.load(tiles_ptr + 2 * item)
+        tile = tl.load(tiles_ptr + 2 * item + 1)
+    else:
+        b = first + tl.program_id(0) // kv_heads
+        tile = num_m_tiles - 1 - tl.program_id(1)
     tokens_per_tile: tl.constexpr = BLOCK_M // GROUP
     q_start = tl.load(cu_ptr + b)
     q_len = tl.load(cu_ptr + b + 1) - q_start
@@ -212,6 +225,24 @@ def prefill_config(head_dim: int, group: int) -> dict[str, int]:
     return cfg
 
 
+def prefill_tile_tokens(head_dim: int, group: int) -> int:
+    """Query tokens per tile of the prefill kernel (a tile holds ``group`` heads per token)."""
+    return prefill_config(head_dim, group)["BLOCK_M"] // group
+
+
+def prefill_tiles(
+    q_lens: list[int], context_lens: list[int], first: int, tile_tokens: int
+) -> list[tuple[int, int]]:
+    """The (chunk, tile) pairs of ``paged_prefill(tiles=...)`` for chunks ``first..`` of a step
+    (their query lengths and context lengths, chunk included), the tiles with the most keys
+    first, as the kernel's own grid orders them."""
+    pairs = [
+        (b, tile) for b in range(first, len(q_lens)) for tile in range(-(-q_lens[b] // tile_tokens))
+    ]
+    pairs.sort(key=lambda bt: -(context_lens[bt[0]] - q_lens[bt[0]] + bt[1] * tile_tokens))
+    return pairs
+
+
 def paged_prefill(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -223,6 +254,8 @@ def paged_prefill(
     max_query_len: int | None = None,
     out: torch.Tensor | None = None,
     first: int = 0,
+    tiles: torch.Tensor | None = None,
+    num_tiles: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed chunks over their paged context; out [T, q_heads, D].
 
@@ -240,6 +273,12 @@ def paged_prefill(
     step's leading decodes go to ``paged_decode``). An offset rather than sliced index tensors:
     Triton specialises a kernel on its pointers' 16-byte alignment, and slices at every offset
     would compile up to eight variants in the middle of traffic.
+    tiles, num_tiles: the work as a list instead (``first`` and ``max_query_len`` unused), so a
+    CUDA graph captured once serves any step: tiles [capacity, 2] int32, rows (chunk, query tile
+    of ``prefill_tile_tokens`` tokens) as ``prefill_tiles`` lists them, of which the first
+    num_tiles[0] ([1] int32) are attended; both on the query's device, contiguous. Not checked
+    (values): the pairs name chunks of the batch and tiles inside their chunks, each at most once.
+    The caller checks the bucket's capacity: a step with more tiles would leave rows unwritten.
     """
     q, (block_size, q_heads, kv_heads, head_dim) = check_attention_args(
         query, k_cache, v_cache, scale
@@ -252,24 +291,36 @@ def paged_prefill(
     check_optional_int("first", first, 0)
     if first > batch:
         raise ValueError(f"first must be at most the batch's {batch} chunks, got {first}")
+    if (tiles is None) != (num_tiles is None):
+        raise ValueError("tiles and num_tiles go together")
+    if tiles is not None and num_tiles is not None:
+        check_index("num_tiles", num_tiles, "[1]", 1, torch.int32, device, "query")
+        check_tensor("tiles", tiles, "[N, 2]", (None, 2), (torch.int32,), device, "query", "query")
+        check_dense("tiles", tiles, 0, "contiguous")
     out = torch.empty_like(query) if out is None else check_out(out, q)
     if batch == first or query.shape[0] == 0:
         return out
-    if max_query_len is None:
-        max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item())
-    if max_query_len <= 0:
-        return out
     group = q_heads // kv_heads
     cfg = prefill_config(head_dim, group)
-    tokens_per_tile = cfg["BLOCK_M"] // group
-    num_m_tiles = cdiv(max_query_len, tokens_per_tile)
-    _prefill_kernel[((batch - first) * kv_heads, num_m_tiles)](
+    num_m_tiles = 1
+    if tiles is not None:
+        grid = (tiles.shape[0] * kv_heads, 1)
+    else:
+        if max_query_len is None:
+            max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item())
+        num_m_tiles = cdiv(max_query_len, cfg["BLOCK_M"] // group)
+        grid = ((batch - first) * kv_heads, num_m_tiles)
+    if grid[0] * grid[1] == 0:
+        return out
+    _prefill_kernel[grid](
         query,
         k_cache,
         v_cache,
         block_tables,
         cu_seqlens_q,
         context_lens,
+        context_lens if tiles is None else tiles,
+        context_lens if num_tiles is None else num_tiles,
         out,
         scale * LOG2E,
         kv_heads,
@@ -290,6 +341,7 @@ def paged_prefill(
         BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=cfg["BLOCK_N"],
         UPCAST=INTERPRET,
+        TILE_LIST=tiles is not None,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )

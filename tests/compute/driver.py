@@ -50,7 +50,7 @@ class GreedyDriver:
     block_size: int = 16
     token_budget: int | None = None  # max tokens per step; None packs everything pending
     cuda_graph_max_batch: int = 0  # > 0: decode steps replay CUDA graphs (CUDA only)
-    cuda_graph_max_tokens: int = 0  # > 0: other steps replay piecewise graphs (CUDA only)
+    cuda_graph_max_tokens: int = 0  # > 0: other steps replay graphs of mixed steps (CUDA only)
     seqs: dict[str, Seq] = field(default_factory=dict)
     steps: list[list[tuple[str, int, int]]] = field(default_factory=list)  # (req, start, n)
 

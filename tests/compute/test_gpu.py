@@ -14,7 +14,7 @@ import torch
 
 from compute.fused import fuse_layers
 from compute.models import FAMILIES, load_model, tiny_family_config
-from compute.runner import ModelRunner, ScheduledChunk
+from compute.runner import Feed, ModelRunner, ScheduledChunk
 from tests.compute.driver import (
     GreedyDriver,
     moved,
@@ -118,10 +118,11 @@ def test_cuda_graph_decodes_match_sdpa(family: str, cuda: torch.device) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_cuda_piecewise_graphs_of_mixed_steps_match_sdpa(family: str, cuda: torch.device) -> None:
-    """Steps of prompt chunks beside decodes replay piecewise graphs (up to 128 tokens: buckets
-    64 and 128, padded) with eager attention between the pieces; steps of more tokens run
-    eagerly, decode-only steps their own graphs. All as accurate as SDPA."""
+def test_cuda_graphs_of_mixed_steps_match_sdpa(family: str, cuda: torch.device) -> None:
+    """Steps of prompt chunks beside decodes replay whole-decoder graphs, attention included
+    (up to 128 tokens: buckets 64 and 128, padded; one or several prompt chunks per step);
+    steps of more tokens run eagerly, decode-only steps their own graphs. All as accurate as
+    SDPA."""
     config = tiny_family_config(family)
     config.head_dim = 64
     config.max_position_embeddings = 1024
@@ -131,19 +132,59 @@ def test_cuda_piecewise_graphs_of_mixed_steps_match_sdpa(family: str, cuda: torc
     driver = GreedyDriver(
         model, num_blocks=512, token_budget=160, cuda_graph_max_batch=16, cuda_graph_max_tokens=128
     )
-    pieces = driver.runner.pieces
-    assert pieces is not None and pieces.buckets == [64, 128]
-    for i in range(12):
+    mixed = driver.runner.mixed
+    assert mixed is not None and mixed.buckets == [64, 128]
+    for i in range(14):
         n = 300 if i == 5 else int(torch.randint(1, 70, (1,), generator=gen))
         prompt = torch.randint(0, 256, (n,), generator=gen).tolist()
         driver.admit(f"r{i}", prompt, 4 + i)
-        driver.step()  # every admission after the first joins running decodes
+        if i not in (2, 8):  # there the next prompt joins the same step
+            driver.step()  # every admission after the first joins running decodes
     driver.run()
-    sizes = [sum(n for _, _, n in step) for step in driver.steps]
-    mixed = [t for t, step in zip(sizes, driver.steps, strict=True) if any(n > 1 for *_, n in step)]
-    assert any(t > 128 for t in mixed) and sum(t <= 128 for t in mixed) >= 8
-    assert pieces.replays == sum(t <= 128 for t in mixed)
+    steps = [step for step in driver.steps if any(n > 1 for *_, n in step)]
+    tokens = [sum(n for *_, n in step) for step in steps]
+    assert any(t > 128 for t in tokens) and sum(t <= 128 for t in tokens) >= 8
+    assert any(sum(n > 1 for *_, n in step) > 1 for step in steps), "no step of two prompts"
+    assert mixed.replays == sum(t <= 128 for t in tokens)
     check_as_accurate_as_sdpa(driver)
+
+
+@pytest.mark.gpu
+def test_cuda_mixed_graph_takes_fed_tokens_and_matches_eager(cuda: torch.device) -> None:
+    """A mixed step replayed from its graph with its decodes' tokens fed from the device (as the
+    overlapped engine runs it) gives the logits of the same step with host token ids, bitwise,
+    and those of the eager forward up to rounding; rows of every chunk, every_row included."""
+    config = tiny_family_config("llama")
+    config.head_dim = 64
+    config.max_position_embeddings = 1024
+    model = moved(paged_model(config, seed=3), cuda, torch.bfloat16)
+    fuse_layers(model)
+    pool = torch.randn(64, config.num_hidden_layers, 2, 16, config.num_key_value_heads, 64)
+    pool = pool.to(cuda, torch.bfloat16)
+    graphed = ModelRunner(model, pool, 16, 0, 128, max_chunks=8)
+    eager = ModelRunner(model, pool, 16)
+    ids = [5, 77, 130]
+    batch = [
+        ScheduledChunk([ids[0]], 40, [1, 2, 3]),
+        ScheduledChunk([ids[1]], 100, [4, 5, 6, 7, 8, 9, 10]),
+        ScheduledChunk([ids[2]], 7, [11]),
+        ScheduledChunk(list(range(30, 60)), 16, [12, 13, 14]),  # a chunk after a cached block
+        ScheduledChunk(list(range(9, 14)), 0, [15], every_row=True),
+    ]
+    # the prompt chunks write their slots: the same step must find the same pool each time
+    snapshot = pool.clone()
+    want = graphed.forward(batch)
+    pool.copy_(snapshot)
+    placeholders = [ScheduledChunk([0], c.start, c.block_ids) for c in batch[:3]]
+    source = torch.tensor([0, *ids], device=cuda)
+    feed = Feed(source, rows=[1, 2, 3], chunks=[0, 1, 2])
+    got = graphed.forward([*placeholders, *batch[3:]], feed)
+    assert graphed.mixed is not None and graphed.mixed.replays == 2
+    assert got.shape == (4 + 5, config.vocab_size) and torch.equal(got, want)
+    pool.copy_(snapshot)
+    plain = eager.forward(batch)
+    scale = plain.abs().max().item()
+    assert (got - plain).abs().max().item() <= 0.02 * scale
 
 
 @pytest.mark.gpu

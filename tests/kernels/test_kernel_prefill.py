@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import paged_decode, paged_prefill
+from kernels import paged_decode, paged_prefill, prefill_tile_tokens, prefill_tiles
 from kernels.reference import paged_decode_reference, paged_prefill_reference
 from tests.kernels.kernel_cases import (
     EDGE_HEAD_DIMS,
@@ -130,6 +130,46 @@ def test_decodes_and_prefills_of_one_step_write_into_one_out(
             prefill(q, case.k_cache, case.v_cache, tables, cu, lens, 0.1, out=out[1:], first=2)
         with pytest.raises(ValueError, match=r"^first must be at most"):
             prefill(q, case.k_cache, case.v_cache, tables, cu, lens, 0.1, out=out, first=5)
+
+
+def test_graph_forms_of_a_mixed_step_match_the_launch_forms(device: torch.device) -> None:
+    """The forms a CUDA graph captures once for every step: the decodes launched over more rows
+    than the step has (``count`` says how many are real), the prompt chunks as a list of
+    (chunk, tile) pairs in a larger buffer (``num_tiles`` says how many are real). Each written
+    row equals the launch form's bitwise; rows past the counts keep what ``out`` held."""
+    reqs = [(1, 40), (1, 7), (70, 75), (5, 5), (1, 130), (29, 90)]  # a 1-token chunk after d
+    case = make_case([c for _, c in reqs], 2, 64, 16, BF16, device)
+    q_lens, ctx = [q for q, _ in reqs], [c for _, c in reqs]
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    tables, lens = case.block_tables, case.context_lens
+    q = randn((int(cu[-1]) + 4, 4, 64), BF16, device, 5)
+    cu = cu.to(device)
+    want = torch.full_like(q, float("nan"))
+    paged_decode(q[:2], case.k_cache, case.v_cache, tables[:2], lens[:2], 0.125, out=want[:2])
+    paged_prefill(q, case.k_cache, case.v_cache, tables, cu, lens, 0.125, 70, out=want, first=2)
+
+    got = torch.full_like(q, float("nan"))
+    two = torch.tensor([2], dtype=torch.int32, device=device)
+    paged_decode(q[:6], case.k_cache, case.v_cache, tables, lens, 0.125, out=got[:6], count=two)
+    assert got[2:].isnan().all(), "a decode row past count was written"
+    pairs = prefill_tiles(q_lens, ctx, 2, prefill_tile_tokens(64, 2))
+    assert sorted(pairs) == [(2, 0), (2, 1), (3, 0), (4, 0), (5, 0)]  # 64-token tiles
+    tiles = torch.zeros(len(pairs) + 5, 2, dtype=torch.int32)
+    tiles[: len(pairs)] = torch.tensor(pairs, dtype=torch.int32)
+    tiles[len(pairs) :] = torch.tensor([0, 0], dtype=torch.int32)  # never read: past num_tiles
+    tiles, n = tiles.to(device), torch.tensor([len(pairs)], dtype=torch.int32, device=device)
+    paged_prefill(q, case.k_cache, case.v_cache, tables, cu, lens, 0.125, out=got, tiles=tiles,
+                  num_tiles=n)  # fmt: skip
+    rows = int(cu[-1])
+    assert torch.equal(got[:rows], want[:rows])
+    assert got[rows:].isnan().all(), "a row past the step was written"
+    with pytest.raises(ValueError, match=r"^count needs num_splits"):
+        paged_decode(q[:2], case.k_cache, case.v_cache, tables[:2], lens[:2], 0.1, 2, count=two)
+    with pytest.raises(ValueError, match=r"^tiles and num_tiles go together"):
+        paged_prefill(q, case.k_cache, case.v_cache, tables, cu, lens, 0.1, tiles=tiles)
+    with pytest.raises(ValueError, match=r"^tiles "):
+        paged_prefill(q, case.k_cache, case.v_cache, tables, cu, lens, 0.1, tiles=tiles[:, :1],
+                      num_tiles=n)  # fmt: skip
 
 
 # ---------------------------------------------------------------- GPU grid
