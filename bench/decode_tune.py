@@ -19,16 +19,16 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch.nn import functional
-from triton.testing import do_bench, do_bench_cudagraph
+from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kernels.decode as kdecode
+from bench.kernels import copy_bandwidth, fixed_config, graph_ms
 from kernels import paged_decode
 
 DEV = torch.device("cuda")
@@ -51,18 +51,6 @@ SHAPES = {"1b": (32, 8, 64, 2048, 8192, 16), "8b": (32, 8, 128, 4096, 14336, 32)
 VOCAB = 128256
 
 
-def graph_ms(fn: Callable[[], object]) -> float:
-    torch.cuda.synchronize()
-    return float(do_bench_cudagraph(fn, rep=100, return_mode="median"))
-
-
-def copy_gb_s() -> float:
-    src = torch.randn(1 << 30, device=DEV, dtype=BF16)
-    dst = torch.empty_like(src)
-    ms = float(do_bench(lambda: dst.copy_(src), return_mode="median"))
-    return 2 * src.numel() * 2 / ms / 1e6
-
-
 def decode_sweep(shape: str, cases: list[tuple[int, int]], layers: int) -> None:
     q_heads, kv_heads, d, *_ = SHAPES[shape]
     print(f"\n## paged_decode, {shape} heads {q_heads}/{kv_heads} d {d}, pool of {layers} layers")
@@ -78,11 +66,6 @@ def decode_sweep(shape: str, cases: list[tuple[int, int]], layers: int) -> None:
 
 
 SPLITS = [1, 2, 4]
-
-
-def fixed(cfg: dict[str, int]) -> Callable[[int, int], dict[str, int]]:
-    """A stand-in for ``kernels.decode.decode_config``: always ``cfg``."""
-    return lambda head_dim, group: cfg
 
 
 def decode_case(batch: int, ctx: int, q_heads: int, kv_heads: int, d: int, layers: int) -> None:
@@ -102,7 +85,7 @@ def decode_case(batch: int, ctx: int, q_heads: int, kv_heads: int, d: int, layer
     for bn, warps, stages, heads_fastest in CONFIGS:
         cfg = {"BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
         cfg["HEADS_FASTEST"] = heads_fastest
-        kdecode.decode_config = fixed(cfg)  # type: ignore[assignment]
+        kdecode.decode_config = fixed_config(cfg)
         cells = []
         for sp in SPLITS:
             try:  # compiled outside the graph capture: a failure leaves no capture open
@@ -178,7 +161,7 @@ def main() -> None:
     parser.add_argument("--skip-gemm", action="store_true")
     parser.add_argument("--skip-decode", action="store_true")
     args = parser.parse_args()
-    print(f"device copy: {copy_gb_s():.0f} GB/s (read + write)")
+    print(f"device copy: {copy_bandwidth() / 1e9:.0f} GB/s (read + write)")
     if not args.skip_decode:
         cases = [(int(b), int(c)) for b, c in (x.split("x") for x in args.cases.split(","))]
         decode_sweep(args.shape, cases, SHAPES[args.shape][5])
