@@ -31,6 +31,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--profile", action="store_true", help="print the top functions")
+    parser.add_argument("--sort", default="tottime", help="--profile's order (a pstats key)")
+    parser.add_argument("--top", default="25", help="--profile's rows, or a regex of names")
     args = parser.parse_args()
 
     import redis
@@ -75,7 +77,7 @@ def main() -> None:
     for phase, seconds in result["phases"].items():
         print(f"  {phase:>10}: {1e3 * seconds / steps:6.2f} ms per step")
     if profiler:
-        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+        pstats.Stats(profiler).sort_stats(args.sort).print_stats(args.top)
 
 
 if __name__ == "__main__":
