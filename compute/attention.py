@@ -181,7 +181,7 @@ def attend(
         from kernels import paged_decode, paged_prefill
 
         tables, cu, lens = paged.block_tables, paged.cu_seqlens_q, paged.context_lens
-        rows = lens.shape[0]  # as many as the bucket can have chunks; the first count decode
+        rows = lens.shape[0]  # as many as the bucket can have chunks; the first `count` decode
         paged_decode(q[:rows], k_cache, v_cache, tables, lens, scaling, out=out[:rows],
                      count=paged.decode_count)  # fmt: skip
         paged_prefill(q, k_cache, v_cache, tables, cu, lens, scaling, out=out, tiles=paged.tiles,

@@ -92,8 +92,10 @@ class MixedGraphs:
         self.tiles = torch.zeros(self._tile_room(max_tokens), 2, dtype=i32, device=device)
         self.decode_count = torch.zeros(1, dtype=i32, device=device)
         self.tile_count = torch.zeros(1, dtype=i32, device=device)
-        room = 4 * max_tokens + 3 * max_chunks + max_chunks * max_blocks
-        self._staging = Staging(room + 2 * self.tiles.shape[0] + 3, device)
+        # ids, positions, slots, kept rows: [T] each; offsets, contexts, fed rows and their
+        # positions: [R] each (+1); the table; the tiles; the two counts
+        room = 4 * max_tokens + 4 * (max_chunks + 1) + max_chunks * max_blocks
+        self._staging = Staging(room + 2 * self.tiles.shape[0] + 2, device)
         self.windows: dict[int, int | None] = {}  # layer -> sliding window, seen at capture
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.replays = 0  # a counter
@@ -164,6 +166,7 @@ class MixedGraphs:
 
     def replay(
         self,
+        *,
         ids: list[int],
         positions: list[int],
         slots: list[int],

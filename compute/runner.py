@@ -241,10 +241,16 @@ class ModelRunner:
         if mixed is not None and mixed.fits(tokens, len(batch), self._width(batch)):
             p = self.pack(batch)
             fed = (feed.source, feed.rows, [p.cu[i] for i in feed.chunks]) if feed else None
-            keep = self.kept_rows(batch, p.cu)
-            leading = self.leading_decodes(batch)
             logits = mixed.replay(
-                p.ids, p.positions, p.slots, p.cu, p.context_lens, p.table, leading, keep, fed
+                ids=p.ids,
+                positions=p.positions,
+                slots=p.slots,
+                cu=p.cu,
+                context_lens=p.context_lens,
+                table=p.table,
+                num_decodes=self.leading_decodes(batch),
+                keep=self.kept_rows(batch, p.cu),
+                feed=fed,
             )
             return logits.float()
         inputs, paged = self.prepare(batch)
