@@ -145,30 +145,38 @@ class ModelRunner:
         copy_blocks_inplace(self.pool, src, dst)
 
     def pack(self, batch: Sequence[ScheduledChunk]) -> Packed:
-        """Host-side packing of one step (plain lists, no tensor yet)."""
+        """Host-side packing of one step (plain lists, no tensor yet). Runs every step over
+        every chunk: a decode (one token) takes a path without generators."""
         if not batch:
             raise ValueError("empty batch")
         bs = self.block_size
-        packed = Packed([], [], [], [0], [], [])
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        cu, lens, total = [0], [], 0
         for chunk in batch:
-            n = len(chunk.token_ids)
-            end = chunk.start + n
+            tokens, start, blocks = chunk.token_ids, chunk.start, chunk.block_ids
+            n = len(tokens)
+            end = start + n
             if n == 0:
                 raise ValueError("every scheduled request needs at least one token")
-            if -(-end // bs) > len(chunk.block_ids):
-                raise ValueError(f"{len(chunk.block_ids)} blocks cannot hold {end} tokens")
-            packed.ids.extend(chunk.token_ids)
-            packed.positions.extend(range(chunk.start, end))
-            packed.slots.extend(
-                chunk.block_ids[p // bs] * bs + p % bs for p in range(chunk.start, end)
-            )
-            packed.cu.append(packed.cu[-1] + n)
-            packed.context_lens.append(end)
-        width = max(-(-c // bs) for c in packed.context_lens)  # blocks the longest context reads
-        for chunk in batch:
-            row = list(chunk.block_ids[:width])
-            packed.table.append(row + [0] * (width - len(row)))
-        return packed
+            if -(-end // bs) > len(blocks):
+                raise ValueError(f"{len(blocks)} blocks cannot hold {end} tokens")
+            if n == 1:
+                ids.append(tokens[0])
+                positions.append(start)
+                slots.append(blocks[start // bs] * bs + start % bs)
+            else:
+                ids.extend(tokens)
+                positions.extend(range(start, end))
+                slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
+            total += n
+            cu.append(total)
+            lens.append(end)
+        width = -(-max(lens) // bs)  # blocks the longest context reads
+        zeros = [0] * width
+        table = [[*row, *zeros[len(row) :]] for row in (c.block_ids[:width] for c in batch)]
+        return Packed(ids, positions, slots, cu, lens, table)
 
     def prepare(
         self, batch: Sequence[ScheduledChunk]
