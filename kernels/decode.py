@@ -182,6 +182,7 @@ def _reduce_kernel(
 
 
 MAX_SPLITS = 128
+MAX_GRID_YZ = 65535  # CUDA's limit on a grid's second and third dims
 
 
 def decode_config(head_dim: int, group: int) -> dict[str, int]:
@@ -308,7 +309,8 @@ def paged_decode(
         lse = torch.empty((batch, q_heads, num_splits), device=query.device, dtype=torch.float32)
     else:
         part = lse = out  # unused by the single-pass kernel
-    heads_fastest = bool(cfg.get("HEADS_FASTEST", 0))
+    # a grid's second and third dims stop at 65535: a larger batch goes first
+    heads_fastest = bool(cfg.get("HEADS_FASTEST", 0)) and batch <= MAX_GRID_YZ
     grid = (kv_heads, batch, num_splits) if heads_fastest else (batch, kv_heads, num_splits)
     _decode_kernel[grid](
         query,
