@@ -245,22 +245,24 @@ class ModelRunner:
                 graphs.load(p.ids, p.positions, p.slots, p.table, p.context_lens, source)
                 return graphs.replay(len(batch)).float()
         mixed = self.mixed
-        tokens = sum(len(chunk.token_ids) for chunk in batch)
-        if mixed is not None and mixed.fits(tokens, len(batch), self._width(batch)):
-            p = self.pack(batch)
-            fed = (feed.source, feed.rows, [p.cu[i] for i in feed.chunks]) if feed else None
-            logits = mixed.replay(
-                ids=p.ids,
-                positions=p.positions,
-                slots=p.slots,
-                cu=p.cu,
-                context_lens=p.context_lens,
-                table=p.table,
-                num_decodes=self.leading_decodes(batch),
-                keep=self.kept_rows(batch, p.cu),
-                feed=fed,
-            )
-            return logits.float()
+        if mixed is not None:  # the step's lists serve the graph; an eager step packs anew
+            packed = self.pack(batch)
+            if mixed.fits(len(packed.ids), len(packed.context_lens), len(packed.table[0])):
+                fed = (
+                    (feed.source, feed.rows, [packed.cu[i] for i in feed.chunks]) if feed else None
+                )
+                logits = mixed.replay(
+                    ids=packed.ids,
+                    positions=packed.positions,
+                    slots=packed.slots,
+                    cu=packed.cu,
+                    context_lens=packed.context_lens,
+                    table=packed.table,
+                    num_decodes=self.leading_decodes(batch),
+                    keep=self.kept_rows(batch, packed.cu),
+                    feed=fed,
+                )
+                return logits.float()
         inputs, paged = self.prepare(batch)
         if feed is not None:
             cu = self.pack_offsets(batch)
@@ -272,11 +274,6 @@ class ModelRunner:
         """input_ids[positions[i]] = feed.source[feed.rows[i]], on the device."""
         rows = to_device(feed.rows, self.device)
         input_ids.index_copy_(0, to_device(positions, self.device), feed.source[rows])
-
-    def _width(self, batch: Sequence[ScheduledChunk]) -> int:
-        """Blocks the step's longest context reads."""
-        bs = self.block_size
-        return max(-(-(chunk.start + len(chunk.token_ids)) // bs) for chunk in batch)
 
     @staticmethod
     def pack_offsets(batch: Sequence[ScheduledChunk]) -> list[int]:
