@@ -11,6 +11,11 @@ token streams as text. Both servers get the same requests (seeded): chat complet
 counts the tokens actually generated. Each server first gets 32 untimed warm-up requests.
 
     python bench/http_serve.py --shape 1b --requests 128 [--out DIR] [--skip-transformers]
+        [--transformers-python PY] [--skip-pagedserve] [--skip-engine] [--gateways 1,4]
+
+``transformers serve`` needs the packages of ``transformers[serving]``; on a host without a
+package index, ``bench/transformers_serving.sh`` downloads their wheels here and installs them
+there in a venv over the host's packages, and prints the ``--transformers-python`` to pass.
     python bench/http_serve.py --shape 1b --requests 128 --guided-fractions 0,0.5
 
 With ``--guided-fractions``, pagedserve alone serves the same seeded requests once per fraction,
@@ -138,10 +143,11 @@ def warm_up(
     bench(url, model, model_dir, 32, warmup, ignore_eos, seed=1, guided=guided)
 
 
-def stop(process: subprocess.Popen[bytes]) -> None:
+def stop(process: subprocess.Popen[bytes], grace_s: float = 120) -> None:
+    """SIGINT, then SIGKILL after ``grace_s``."""
     process.send_signal(signal.SIGINT)
     try:
-        process.wait(120)
+        process.wait(grace_s)
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
@@ -242,21 +248,25 @@ def reset_prefix_cache(url: str) -> None:
     print(f"prefix cache reset: {json.dumps(admin(url, '/admin/cache/reset', 'POST'))}")
 
 
-def run_transformers(model_dir: Path, requests: int, out: Path) -> dict[str, Any]:
+def run_transformers(model_dir: Path, requests: int, out: Path, python: str) -> dict[str, Any]:
+    """``transformers serve --continuous-batching --cb-use-cuda-graph`` run by ``python`` (an
+    interpreter that has ``transformers[serving]``'s packages: ``bench/transformers_serving.sh``)
+    with the client's warm-up and run against it."""
     port = free_port()
     cli = "from transformers.cli.transformers import main; main()"
-    command = [sys.executable, "-c", cli, "serve", str(model_dir), "--port", str(port)]
+    command = [python, "-c", cli, "serve", str(model_dir), "--port", str(port)]
     command += ["--device", "cuda"]
     command += ["--dtype", "bfloat16", "--continuous-batching", "--cb-use-cuda-graph"]
     (Path.home() / ".cache" / "huggingface" / "hub").mkdir(parents=True, exist_ok=True)
-    process = subprocess.Popen(command, cwd=ROOT)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_UPDATE_CHECK": "1"}
+    process = subprocess.Popen(command, cwd=ROOT, env=env)
     try:
         wait_http(f"http://127.0.0.1:{port}/health", process, 900, ok=False)
         url = f"http://127.0.0.1:{port}"
         warm_up(url, str(model_dir), model_dir, out, ignore_eos=False)
         return bench(url, str(model_dir), model_dir, requests, out, ignore_eos=False)
     finally:
-        stop(process)
+        stop(process, grace_s=15)  # seen: transformers 5.17 never exiting on SIGINT
 
 
 def by_class(result: dict[str, Any]) -> str:
@@ -286,6 +296,13 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=128)
     parser.add_argument("--out", type=Path, default=Path("/tmp/pagedserve-http-bench"))
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--skip-pagedserve", action="store_true", help="its HTTP runs")
+    parser.add_argument(
+        "--transformers-python",
+        default=sys.executable,
+        help="the interpreter that runs transformers serve: one with the packages of "
+        "transformers[serving] (bench/transformers_serving.sh install prints it)",
+    )
     parser.add_argument("--skip-engine", action="store_true")
     parser.add_argument(
         "--gateways", default="1", help="comma-separated gateway process counts: a run each"
@@ -312,21 +329,24 @@ def main() -> None:
         return
     model_dir = checkpoint(args.out / f"model-{args.shape}", args.shape)
     http: dict[int, dict[str, Any]] = {}
-    for count in [int(n) for n in args.gateways.split(",")]:
+    counts = [] if args.skip_pagedserve else [int(n) for n in args.gateways.split(",")]
+    for count in counts:
         out = args.out / f"pagedserve-{count}gw.json"
         [http[count]] = run_pagedserve(model_dir, args.requests, out, gateways=count)
         label = "" if count == 1 else f", {count} gateway processes"
         rows.append(row(f"pagedserve (HTTP{label})", http[count]))
-    ours = next(iter(http.values()))
     if not args.skip_transformers:
         try:
-            theirs = run_transformers(model_dir, args.requests, args.out / "transformers.json")
+            theirs = run_transformers(
+                model_dir, args.requests, args.out / "transformers.json", args.transformers_python
+            )
         except RuntimeError as err:  # e.g. an image without transformers[serving]'s packages
             print(f"transformers serve did not run ({err}; its output is above): skipped")
         else:
             rows.append(row("transformers serve --continuous-batching (HTTP)", theirs))
-            ratio = ours["output_tok_s"] / theirs["output_tok_s"]
-            print(f"pagedserve / transformers: {ratio:.2f}x")
+            for count, ours in http.items():
+                ratio = ours["output_tok_s"] / theirs["output_tok_s"]
+                print(f"pagedserve ({count} gateways) / transformers: {ratio:.2f}x")
     if not args.skip_engine:
         command = [sys.executable, "bench/serve.py", "--mode", "ours", "--shape", args.shape]
         command += ["--requests", str(args.requests), "--max-num-seqs", "256"]  # the worker's

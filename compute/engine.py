@@ -8,8 +8,10 @@ One step (single-threaded), with the device's work overlapped by the host's
 3. process the step launched before (its ids, stop checks and detokenization, forks, ends);
 4. send one kvstore ``Step`` (``compute.kvsync``): free finished sequences, report every
    running sequence's new tokens and computed count, resume/admit what fits;
-5. hand the deltas, acks and abort/gateway checks to Redis as one pipelined batch
-   (``compute.publisher``; the replies are read a step later);
+5. hand the deltas, acks, abort/gateway checks and a read of new requests (as many as there is
+   room for) to Redis as one pipelined batch (``compute.publisher``; the replies are read a
+   step later, and the requests read are taken at step 1 of the next step: a busy engine never
+   waits for Redis to hand it requests);
 6. apply the kvstore's reply; when it has no block for a running sequence, preempt the latest
    arrival (the kvstore's cost model picks swap or recompute) and retry, one more round trip.
 
@@ -68,7 +70,6 @@ log = logging.getLogger("pagedserve.compute")
 RECOVERABLE = (KVStoreTimeout, KVStoreError, redis.RedisError, Diverged)
 RETRY_MAX_S = 5.0
 GATEWAY_MISSING_S = 5.0  # a gateway's liveness key missing this long: the gateway is gone
-POLL_S = 0.005  # a busy engine that found no new request looks again after this long
 TIMELINE_EVERY_S = 1.0  # how often a step carries the running totals to the kvstore
 
 
@@ -115,7 +116,7 @@ class Engine:
         self.phase_s: dict[str, float] = defaultdict(float)
         self.steps = 0  # a counter
         self._timeline_sent_at = 0.0
-        self.publisher = Publisher(r)
+        self.publisher = Publisher(r, worker_id)
         self.runner: ModelRunner | None = None
         self._pool: p.PoolInfo | None = None
         self._grammars: Grammars | None = None  # made for the first guided request
@@ -149,7 +150,7 @@ class Engine:
         self._finals: list[OutputRecord] = []  # ended requests' records, to publish
         self._acks: list[str] = []  # their entries, to ack
         self._next_lease_check = 0.0
-        self._next_poll = 0.0  # the next look for new requests while busy
+        self._incoming: list[tuple[str, RequestRecord]] = []  # read by the last Redis job
         self._missing_since: dict[str, float] = {}  # gateway -> when its key was first missed
         queue_worker.ensure_group(self.redis)
         for entry_id, record in queue_worker.claim_own(self.redis, self.worker_id, redeliver):
@@ -217,6 +218,7 @@ class Engine:
         """No request in hand, no step on the device and nothing left to publish."""
         return (
             not self.active
+            and not self._incoming
             and not self._finals
             and self.model_step.inflight is None
             and self.publisher.idle
@@ -256,19 +258,24 @@ class Engine:
         acks = [a.entry_id for out in outputs for a in out.done] + self._acks
         self._finals, self._acks = [], []
         active = self.active
-        checked = self.publisher.submit(records, acks, list(active), self.requests.gateways())
+        found = self.publisher.wait()  # the last job's: checks, and the requests it read
+        self._incoming += found.requests
+        busy = bool(active) or model.inflight is not None  # else: the next step waits on Redis
+        room = self.config.max_num_seqs - len(active) - len(self._incoming)
+        read = room if busy and self.accepting else 0
+        self.publisher.submit(records, acks, list(active), self.requests.gateways(), read)
         clock = self._phase("redis_out", clock)  # while the kvstore works on the Step
         for refusal in {id(r.active): r for r in self.kvsync.receive(sent)}.values():
             log.error("request %s failed: %s", refusal.active.record.req_id, refusal.message)
             self._end(refusal.active, "error", refusal.message)
         self._phase("kvstore", clock)
-        if checked is not None:
-            for req_id in checked.aborted:
+        if found.checked is not None:
+            for req_id in found.checked.aborted:
                 if req_id in active:
                     self._end(active[req_id], "abort")
-            self._end_orphans(checked.gateways_gone)
+            self._end_orphans(found.checked.gateways_gone)
         self.steps += 1
-        return bool(self.active) or bool(records) or model.inflight is not None
+        return bool(self.active or records or self._incoming) or model.inflight is not None
 
     def _end_orphans(self, missing: set[str]) -> None:
         """Ends the requests of the gateways whose liveness key has been missing for
@@ -292,7 +299,11 @@ class Engine:
         return now
 
     def _take_requests(self, block_ms: int | None) -> None:
-        room = self.config.max_num_seqs - len(self.active)
+        """Starts the requests the last Redis job read (``Publisher``), takes over those of dead
+        workers, and when idle reads new ones itself, waiting up to ``block_ms`` for them (no
+        Redis job reads for an idle engine)."""
+        idle = self.idle
+        room = self.config.max_num_seqs - len(self.active) - len(self._incoming)
         if time.monotonic() >= self._next_lease_check:
             self._next_lease_check = time.monotonic() + self.claim_idle_ms / 4000
             self._renew_leases()
@@ -301,17 +312,14 @@ class Engine:
                     self.redis, self.worker_id, self.claim_idle_ms, room
                 ):
                     room -= self._take_over(entry_id, record)
-        if room <= 0 or not self.accepting:
-            return
-        if block_ms is None and time.monotonic() < self._next_poll:
-            return  # the last look found nothing: a busy loop looks again in POLL_S
-        taken = queue_worker.read_requests(self.redis, self.worker_id, room, block_ms)
+        taken, self._incoming = self._incoming, []  # pending for this worker: start them
+        if idle and room > 0 and self.accepting:
+            taken += queue_worker.read_requests(self.redis, self.worker_id, room, block_ms)
         for entry_id, record in taken:
             try:
                 self.requests.start(entry_id, record)
             except GrammarError as err:  # the gateway checks guides: a client of Redis itself
                 self._refuse(entry_id, record, f"its guide is refused: {err}")
-        self._next_poll = 0.0 if taken else time.monotonic() + POLL_S
 
     def _renew_leases(self) -> None:
         """Keeps other workers from taking over this one's requests (``queue_worker.touch``); stops

@@ -32,6 +32,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from llguidance import LLMatcher
@@ -54,13 +55,12 @@ __all__ = ["Launched", "ModelStep", "Processed"]
 log = logging.getLogger("pagedserve.compute")
 
 
-@dataclass(frozen=True)
-class Row:
-    """One drawn token of a launched step: chunk ``chunk``'s, for branch ``index``."""
+class Row(NamedTuple):  # made per token per step: 4x cheaper than a frozen dataclass
+    """One drawn token of a launched step: chunk ``chunk``'s, for branch ``branch``."""
 
     chunk: int
     active: Active
-    index: int
+    branch: int  # the branch's index in its request (not ``index``: a tuple's method)
     forks: bool  # a new branch, forked from branch 0 at its first token
 
 
@@ -222,7 +222,7 @@ class ModelStep:
             return
         tokens = source.wait()
         for row in late:
-            branch = row.active.branches[row.index]
+            branch = row.active.branches[row.branch]
             token = tokens[source.row_of[branch.seq.seq_id]]
             if not branch.accept(branch.stop.num_generated, token):
                 log.error("%s: token %d outside its grammar", branch.seq.seq_id, token)
@@ -232,7 +232,7 @@ class ModelStep:
         """The grammar state a guided row draws from: its branch's (branch 0's for a branch
         forked at this token: they share every token before it)."""
         branches = row.active.branches
-        matcher = branches[0 if row.forks else row.index].matcher
+        matcher = branches[0 if row.forks else row.branch].matcher
         assert matcher is not None, "a guided row of no grammar"
         return matcher
 
@@ -299,7 +299,7 @@ class ModelStep:
         records: list[OutputRecord] = []
         frees: list[str] = []
         for i, row, token in live:
-            active, k = row.active, row.index
+            active, k = row.active, row.branch
             branch = (
                 self.requests.fork_branch(active, k, token) if row.forks else active.branches[k]
             )

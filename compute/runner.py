@@ -14,6 +14,7 @@ import itertools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from transformers import PreTrainedModel
@@ -51,8 +52,7 @@ class Feed:
     chunks: list[int]
 
 
-@dataclass(frozen=True)
-class ScheduledChunk:
+class ScheduledChunk(NamedTuple):  # made per token per step: 4x cheaper than a frozen dataclass
     """One request's share of a step: compute ``token_ids`` at positions ``start, start+1, ...``.
 
     ``start`` is the number of the request's tokens whose KV is already in its blocks (its
@@ -169,7 +169,9 @@ class ModelRunner:
             else:
                 ids.extend(tokens)
                 positions.extend(range(start, end))
-                slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
+                for k in range(start // bs, (end - 1) // bs + 1):  # a run of slots per block
+                    base = (blocks[k] - k) * bs  # position p in block k: slot base + p
+                    slots.extend(range(base + max(start, k * bs), base + min(end, k * bs + bs)))
             total += n
             cu.append(total)
             lens.append(end)

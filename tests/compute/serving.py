@@ -57,8 +57,10 @@ def run_engine(
     params: dict[str, SamplingParams] | None = None,
     salts: dict[str, bytes] | None = None,
     kv_model: str = "tiny",
+    block_ms: int | None = 50,
 ) -> Served:
-    """Serves ``prompts`` to the end (greedy unless ``params`` says otherwise)."""
+    """Serves ``prompts`` to the end (greedy unless ``params`` says otherwise), stepping the
+    engine with ``block_ms`` (None: a busy loop that never waits for requests)."""
     model, tokenizer, _ = tiny
     process, endpoint = start_kvstore("--model", kv_model, "--dtype", "float32", *flags)
     try:
@@ -85,8 +87,9 @@ def run_engine(
             deadline = time.monotonic() + 120
             steps = max_used = 0
             while time.monotonic() < deadline:
-                engine.step(block_ms=50)
+                engine.step(block_ms=block_ms)
                 steps += 1
+                assert len(engine.active) <= max_num_seqs
                 # The kvstore holds exactly the tokens the worker reported, no more, no fewer.
                 live = kv.call(p.GetStats(0))
                 max_used = max(max_used, live.gpu.used)

@@ -26,6 +26,18 @@ def test_greedy_through_kvstore_and_redis_equals_generate(redis_url: str, tiny: 
     assert stats.gpu.used == 0 and not stats.requests  # everything freed
 
 
+def test_a_busy_loop_engine_takes_every_request_and_never_more_than_it_has_room_for(
+    redis_url: str, tiny: tuple
+) -> None:
+    """Stepped without waiting (``bench/serve.py``'s loop): idle, the engine reads requests
+    itself; busy, its Redis jobs read them as room frees up (9 requests, 4 at a time), and
+    ``run_engine`` checks it never holds more than 4."""
+    prompts = prompts_of([5, 17, 33, 40, 64, 3, 9, 21, 2], seed=3)
+    served = run_engine(redis_url, [], prompts, 6, tiny, max_num_seqs=4, block_ms=None)
+    for rid, prompt in prompts.items():
+        assert served.outputs[rid] == generate_greedy(tiny[2], prompt, 6), rid
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_each_family_through_kvstore_and_redis_equals_generate(
     family: str, redis_url: str, tmp_path: Path

@@ -155,6 +155,8 @@ def test_pack_lays_out_decodes_and_chunks_exactly() -> None:
     assert packed.slots == [1 * 4 + 1, 4 * 4 + 2, 4 * 4 + 3, 6 * 4 + 0, 2 * 4 + 0]
     assert packed.cu == [0, 1, 4, 5] and packed.context_lens == [6, 5, 1]
     assert packed.table == [[3, 1], [4, 6], [2, 5]]  # width: 6 tokens need 2 blocks of 4
+    whole = runner.pack([ScheduledChunk(list(range(9)), 0, [5, 2, 7])])  # whole blocks, a part
+    assert whole.slots == [20, 21, 22, 23, 8, 9, 10, 11, 28]
     with pytest.raises(ValueError, match="2 blocks cannot hold 9 tokens"):
         runner.pack([ScheduledChunk([1, 2], 7, [0, 1])])
     with pytest.raises(ValueError, match="at least one token"):
