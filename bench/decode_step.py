@@ -1,13 +1,13 @@
 """Device time of one pure-decode step (CUDA graph replay), against its byte roofline.
 
-The Llama-3.2-1B-shaped random bf16 model of ``bench/serve.py`` decodes a batch of ``--batch``
-requests whose contexts are ``--context`` tokens, through ``ModelRunner`` (captured graphs,
-Triton kernels) over a local paged pool; CUDA events around the replay alone time the device
-(no host gap inside). The roofline reads every weight once and every request's K/V once at
+A random bf16 model of ``bench/serve.py``'s ``--shape`` (``1b``: Llama-3.2-1B, the default;
+``8b``: Llama-3.1-8B) decodes a batch of ``--batch`` requests whose contexts are ``--context``
+tokens, through ``ModelRunner`` (captured graphs, Triton kernels) over a local paged pool; CUDA
+events around the replay alone time the device (no host gap inside). The roofline reads every weight once and every request's K/V once at
 ``--copy-tb-s`` (the H200's measured device copy).
 
-    python bench/decode_step.py [--batch 128] [--context 600] [--copy-tb-s 4.28] [--profile]
-        [--unfused] [--prefill N [--graph-tokens M] [--host-profile]]
+    python bench/decode_step.py [--shape 1b] [--batch 128] [--context 600] [--copy-tb-s 4.28]
+        [--profile] [--unfused] [--prefill N [--graph-tokens M] [--host-profile]]
 
 ``--profile`` also lists the kernels of one replay (``torch.profiler``): device time and count
 per kernel name, and how much of the replay is kernel time (the rest: gaps between kernels).
@@ -32,12 +32,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import compute.attention  # noqa: F401  (registers the "paged" attention function)
-from bench.serve import build_model, llama_1b_config
+from bench.serve import SHAPES, build_model
 from compute.runner import ModelRunner, ScheduledChunk
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="1b", help="the model")
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--context", type=int, default=600)
     parser.add_argument("--copy-tb-s", type=float, default=4.28)
@@ -52,7 +53,7 @@ def main() -> None:
         "--graph-tokens", type=int, default=0, help="mixed step: CUDA graphs up to N tokens"
     )
     args = parser.parse_args()
-    config = llama_1b_config()
+    config = SHAPES[args.shape]()
     model = build_model(config, "paged", fused=not args.unfused)
     bs, layers = 16, int(config.num_hidden_layers)
     kv, d = config.num_key_value_heads or 8, config.head_dim or 64
