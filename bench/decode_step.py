@@ -3,8 +3,8 @@
 A random bf16 model of ``bench/serve.py``'s ``--shape`` (``1b``: Llama-3.2-1B, the default;
 ``8b``: Llama-3.1-8B) decodes a batch of ``--batch`` requests whose contexts are ``--context``
 tokens, through ``ModelRunner`` (captured graphs, Triton kernels) over a local paged pool; CUDA
-events around the replay alone time the device (no host gap inside). The roofline reads every weight once and every request's K/V once at
-``--copy-tb-s`` (the H200's measured device copy).
+events around the replay alone time the device (no host gap inside). The roofline reads every
+weight once and every request's K/V once at ``--copy-tb-s`` (the H200's measured device copy).
 
     python bench/decode_step.py [--shape 1b] [--batch 128] [--context 600] [--copy-tb-s 4.28]
         [--profile] [--unfused] [--prefill N [--graph-tokens M] [--host-profile]]
