@@ -65,6 +65,11 @@ class DecodeGraphs:
         # ids, positions, slots, context, table, feed: one copy per step
         self._staging = Staging(max_batch * (6 + max_blocks), device)
 
+    def fits(self, batch: int, width: int) -> bool:
+        """A decode step of ``batch`` requests whose longest context reads ``width`` blocks can
+        replay a graph (wider: a context past the model's length)."""
+        return batch <= self.max_batch and width <= self.max_blocks
+
     @torch.inference_mode()
     def capture(self) -> None:
         """Captures every bucket, largest first (they share one memory pool)."""

@@ -181,10 +181,11 @@ class ModelRunner:
         return Packed(ids, positions, slots, cu, lens, table)
 
     def prepare(
-        self, batch: Sequence[ScheduledChunk]
+        self, batch: Sequence[ScheduledChunk], packed: Packed | None = None
     ) -> tuple[dict[str, torch.Tensor], PagedBatch]:
-        """Model inputs and the paged metadata of one step, on the device."""
-        packed = self.pack(batch)
+        """Model inputs and the paged metadata of one step, on the device (``packed``: the
+        batch's ``pack``, if already made)."""
+        packed = self.pack(batch) if packed is None else packed
 
         def tensor(values: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
             return to_device(values, self.device, dtype)
@@ -233,42 +234,44 @@ class ModelRunner:
         batch order (K = B without ``every_row`` chunks). ``feed``: chunks whose
         token is taken from the device (their host token id is a placeholder). Enqueues the
         work; waits for the device only where an eager model does."""
-        graphs = self.graphs
-        decodes = all(len(chunk.token_ids) == 1 for chunk in batch)
-        if graphs is not None and decodes and len(batch) <= graphs.max_batch:
-            p = self.pack(batch)
-            if len(p.table[0]) <= graphs.max_blocks:  # else: a context past the model's length
-                source = None
-                if feed is not None:  # one token per chunk: chunk i is input row i
-                    rows = [-1] * len(batch)
-                    for chunk, row in zip(feed.chunks, feed.rows, strict=True):
-                        rows[chunk] = row
-                    source = (feed.source, rows)
-                graphs.load(p.ids, p.positions, p.slots, p.table, p.context_lens, source)
-                return graphs.replay(len(batch)).float()
-        mixed = self.mixed
-        if mixed is not None:  # the step's lists serve the graph; an eager step packs anew
-            packed = self.pack(batch)
-            if mixed.fits(len(packed.ids), len(packed.context_lens), len(packed.table[0])):
-                fed = (
-                    (feed.source, feed.rows, [packed.cu[i] for i in feed.chunks]) if feed else None
-                )
-                logits = mixed.replay(
-                    ids=packed.ids,
-                    positions=packed.positions,
-                    slots=packed.slots,
-                    cu=packed.cu,
-                    context_lens=packed.context_lens,
-                    table=packed.table,
-                    num_decodes=self.leading_decodes(batch),
-                    keep=self.kept_rows(batch, packed.cu),
-                    feed=fed,
-                )
-                return logits.float()
-        inputs, paged = self.prepare(batch)
+        packed = self.pack(batch)  # once: every path below takes its lists
+        width = len(packed.table[0])
+        graphs, mixed = self.graphs, self.mixed
+        decodes = len(packed.ids) == len(batch)  # one token per chunk
+        if graphs is not None and decodes and graphs.fits(len(batch), width):
+            source = None
+            if feed is not None:  # one token per chunk: chunk i is input row i
+                rows = [-1] * len(batch)
+                for chunk, row in zip(feed.chunks, feed.rows, strict=True):
+                    rows[chunk] = row
+                source = (feed.source, rows)
+            graphs.load(
+                packed.ids,
+                packed.positions,
+                packed.slots,
+                packed.table,
+                packed.context_lens,
+                source,
+            )
+            return graphs.replay(len(batch)).float()
+        if mixed is not None and mixed.fits(len(packed.ids), len(packed.context_lens), width):
+            fed = (feed.source, feed.rows, [packed.cu[i] for i in feed.chunks]) if feed else None
+            logits = mixed.replay(
+                ids=packed.ids,
+                positions=packed.positions,
+                slots=packed.slots,
+                cu=packed.cu,
+                context_lens=packed.context_lens,
+                table=packed.table,
+                num_decodes=self.leading_decodes(batch),
+                keep=self.kept_rows(batch, packed.cu),
+                feed=fed,
+            )
+            return logits.float()
+        inputs, paged = self.prepare(batch, packed)
         if feed is not None:
-            cu = self.pack_offsets(batch)
-            self._scatter(inputs["input_ids"][0], feed, [cu[i] for i in feed.chunks])
+            positions = [packed.cu[i] for i in feed.chunks]
+            self._scatter(inputs["input_ids"][0], feed, positions)
         out = self.model(**inputs, use_cache=False, paged=paged)
         return out.logits[0].float()  # [B, vocab]
 
@@ -276,8 +279,3 @@ class ModelRunner:
         """input_ids[positions[i]] = feed.source[feed.rows[i]], on the device."""
         rows = to_device(feed.rows, self.device)
         input_ids.index_copy_(0, to_device(positions, self.device), feed.source[rows])
-
-    @staticmethod
-    def pack_offsets(batch: Sequence[ScheduledChunk]) -> list[int]:
-        """Where each chunk's tokens start in the packed input."""
-        return list(itertools.accumulate((len(c.token_ids) for c in batch), initial=0))
