@@ -83,7 +83,8 @@ def main() -> None:
     graphs = runner.graphs
     assert graphs is not None
     p = runner.pack(batch)
-    graphs.load(p.ids, p.positions, p.slots, p.table, p.context_lens)
+    tables = runner.tables.plan([None] * len(batch), [c.block_ids for c in batch], p.width)
+    graphs.load(p.ids, p.positions, p.slots, tables, p.context_lens)
     for _ in range(args.steps):
         start.record()
         graphs.replay(args.batch)

@@ -57,8 +57,7 @@ def checkpoint(directory: Path, shape: str, byte_level: bool = False) -> Path:
     if (directory / "config.json").exists():
         return directory
     import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoModelForCausalLM
 
     from bench.serve import SHAPES
 
@@ -73,7 +72,18 @@ def checkpoint(directory: Path, shape: str, byte_level: bool = False) -> Path:
         tokenizer.chat_template = CHAT_TEMPLATE
         tokenizer.save_pretrained(directory)
         return directory
-    vocab = {f"w{i}": i for i in range(config.vocab_size)}
+    save_word_level_tokenizer(directory, config.vocab_size)
+    return directory
+
+
+def save_word_level_tokenizer(directory: Path, vocab_size: int) -> None:
+    """Saves in ``directory`` a tokenizer whose token ``i`` is the word ``w{i}`` (BOS w128000,
+    EOS w128001 as Llama-3's; unknown w0), with a chat template that only joins the messages'
+    contents. ``vocab_size`` > 128001."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(vocab_size)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(
@@ -81,7 +91,6 @@ def checkpoint(directory: Path, shape: str, byte_level: bool = False) -> Path:
     )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(directory)
-    return directory
 
 
 def wait_http(url: str, process: subprocess.Popen[bytes], timeout_s: float, ok: bool) -> None:
@@ -350,12 +359,13 @@ def main() -> None:
     if not args.skip_engine:
         command = [sys.executable, "bench/serve.py", "--mode", "ours", "--shape", args.shape]
         command += ["--requests", str(args.requests), "--max-num-seqs", "256"]  # the worker's
+        command += ["--tokenizer", str(model_dir)]  # the very requests of the HTTP runs
         done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=True)
         engine = json.loads(done.stdout.strip().splitlines()[-1])
         tok_s = engine["tokens"] / engine["seconds"]
         print(f"engine alone: {engine['steps']} steps, host seconds per phase {engine['phases']}, "
               f"device seconds {engine['device_s']}")  # fmt: skip
-        print(f"engine alone (bench/serve.py, token-id prompts of the same lengths): {tok_s:.0f}")
+        print(f"engine alone (bench/serve.py, the same requests as token ids): {tok_s:.0f}")
         for count, result in http.items():
             print(f"HTTP ({count} gateways) / engine alone: {result['output_tok_s'] / tok_s:.2f}")
     print("\n".join(rows))

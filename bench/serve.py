@@ -93,20 +93,43 @@ def llama_8b_config() -> LlamaConfig:
 SHAPES = {"1b": llama_1b_config, "8b": llama_8b_config}  # Llama-3.2-1B, Llama-3.1-8B
 
 
-def workload(n: int, seed: int = 0) -> Jobs:
-    rng = random.Random(seed)
-    return [
-        ([rng.randrange(128000) for _ in range(rng.randint(64, 1024))], rng.randint(32, 512))
-        for _ in range(n)
-    ]
+def workload(n: int, seed: int = 0, tokenizer: str = "") -> Jobs:
+    """``n`` requests: prompts of 64-1024 tokens, outputs of 32-512. With ``tokenizer`` (a
+    checkpoint directory), exactly the chat requests ``pagedserve bench --seed seed`` sends to it
+    (``bench/http_serve.py``'s flags), as the token ids the gateway makes of them (chat template
+    rendered, then encoded without special tokens), so the engine alone and the HTTP runs serve
+    one workload; without, uniform random ids."""
+    if not tokenizer:
+        rng = random.Random(seed)
+        return [
+            ([rng.randrange(128000) for _ in range(rng.randint(64, 1024))], rng.randint(32, 512))
+            for _ in range(n)
+        ]
+    from contracts.tokenizer import load_tokenizer
+    from pagedserve.bench import tokenizer_of
+    from pagedserve.bench_workloads import TextMaker, build
+
+    decode, vocab = tokenizer_of(tokenizer)
+    groups = build("random", n, (64, 1024), (32, 512), seed, lambda r: TextMaker(r, decode, vocab))
+    chat = load_tokenizer(tokenizer)
+    jobs = []
+    for (turn,) in groups:
+        messages = [{"role": "user", "content": turn.text}]
+        text = chat.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        jobs.append((list(chat(str(text), add_special_tokens=False)["input_ids"]), turn.max_tokens))
+    return jobs
 
 
 def build_model(config: LlamaConfig, attn: str, fused: bool = True) -> LlamaForCausalLM:
     """The random bf16 model on CUDA; with paged attention, fused as the worker fuses it
-    (``compute.fused``) unless ``fused`` is False."""
+    (``compute.fused``) unless ``fused`` is False. Initialized on the GPU (seconds for the 8B
+    shape, where the CPU takes minutes)."""
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.bfloat16)
-    model = model.cuda().eval()
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(
+            config, attn_implementation=attn, dtype=torch.bfloat16
+        )
+    model = model.eval()
     if attn == "paged" and fused:
         from compute.fused import fuse_layers
 
@@ -205,10 +228,13 @@ def run_ours(
     fused: bool = True,
     shape: str = "1b",
     graph_tokens: int = 2048,
+    tokenizer: str = "",
 ) -> dict:
+    """The engine alone; it detokenizes with ``tokenizer``'s (a checkpoint directory) as the
+    worker would, else with the byte tokenizer."""
     import compute.attention  # noqa: F401  (registers the "paged" attention function)
     from compute.engine import Engine
-    from compute.models import byte_tokenizer
+    from compute.models import byte_tokenizer, load_tokenizer
     from compute.profile import measure_prefill
     from compute.scheduler import SchedulerConfig
     from kvstore import protocol as p
@@ -226,7 +252,7 @@ def run_ours(
             engine = Engine(
                 "bench",
                 model,
-                byte_tokenizer(),
+                load_tokenizer(tokenizer) if tokenizer else byte_tokenizer(),
                 kv,
                 redis.Redis.from_url(url),
                 SchedulerConfig(seqs, 8192),
@@ -311,11 +337,18 @@ def run_hf_static(jobs: Jobs, batch: int = 32) -> dict:
 
 # ----------------------------------------------------------------------------- driver
 def one_run(args: argparse.Namespace) -> dict:
-    jobs = workload(args.requests)
+    jobs = workload(args.requests, tokenizer=args.tokenizer)
     if args.mode == "ours":
         graphs, fused = args.cuda_graphs, not args.unfused
         return run_ours(
-            jobs, args.max_num_seqs, graphs, args.profile, fused, args.shape, args.graph_tokens
+            jobs,
+            args.max_num_seqs,
+            graphs,
+            args.profile,
+            fused,
+            args.shape,
+            args.graph_tokens,
+            args.tokenizer,
         )
     if args.mode == "hf-cb":
         return run_hf_continuous(jobs)
@@ -346,6 +379,11 @@ def main() -> None:
         help="CUDA graphs of mixed steps up to; 0: eager",
     )
     parser.add_argument("--skip-baselines", action="store_true")
+    parser.add_argument(
+        "--tokenizer",
+        default="",
+        help="a checkpoint directory: serve the chat requests `pagedserve bench` sends to it",
+    )
     parser.add_argument("--mode", choices=["ours", "hf-cb", "hf-static"])
     parser.add_argument("--profile", action="store_true", help="ours: cProfile to stderr")
     parser.add_argument(

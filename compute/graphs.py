@@ -8,19 +8,19 @@ Every captured graph reads the same static buffers (sized for the largest bucket
 copies the step's inputs into their first rows and pads the rest of the bucket with rows that do
 nothing: slot -1 (``store_kv`` skips it) and context length 0 (``paged_decode`` writes zeros).
 Block tables are as wide as the longest context the model allows, so nothing about a graph
-depends on the step; only the first ``width`` columns are copied, and the kernel never reads
-past a row's context.
+depends on the step; they are gathered on the device from the runner's ``DeviceBlockTables``
+(only the first ``width`` columns), and the kernel never reads past a row's context.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 
 import torch
 from transformers import PreTrainedModel
 
 from compute.attention import PagedBatch
+from compute.block_tables import DeviceBlockTables, TableRows
 from compute.transfer import Staging
 
 log = logging.getLogger("pagedserve.compute")
@@ -43,15 +43,18 @@ class DecodeGraphs:
         block_size: int,
         max_batch: int,
         max_blocks: int,
+        tables: DeviceBlockTables,
     ) -> None:
         """pool: [num_blocks, layers, 2, block_size, kv_heads, head_dim] on CUDA; ``max_blocks``:
-        the widest block table (the model's context length / block size)."""
+        the widest block table (the model's context length / block size); ``tables``: the
+        sequences' block tables on the device (the runner's)."""
         assert pool.is_cuda, "CUDA graphs need the pool on a CUDA device"
         self.model = model
         self.pool = pool
         self.block_size = block_size
         self.max_batch = max_batch
         self.max_blocks = max_blocks
+        self.block_tables = tables
         self.buckets = bucket_sizes(max_batch)
         device = pool.device
         self.input_ids = torch.zeros(1, max_batch, dtype=torch.int64, device=device)  # [1, B]
@@ -62,8 +65,8 @@ class DecodeGraphs:
         self.cu = torch.arange(max_batch + 1, dtype=torch.int32, device=device)  # [B + 1]
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.replays = 0  # a counter
-        # ids, positions, slots, context, table, feed: one copy per step
-        self._staging = Staging(max_batch * (6 + max_blocks), device)
+        # ids, positions, slots, context, table rows, feed [B] each; table writes (3 per block)
+        self._staging = Staging(max_batch * (6 + 3 * max_blocks), device)
 
     def fits(self, batch: int, width: int) -> bool:
         """A decode step of ``batch`` requests whose longest context reads ``width`` blocks can
@@ -110,33 +113,32 @@ class DecodeGraphs:
         ids: list[int],
         positions: list[int],
         slots: list[int],
-        table: list[list[int]],
+        table: TableRows,
         context_lens: list[int],
         feed: tuple[torch.Tensor, list[int]] | None = None,
     ) -> None:
         """Copies one decode step of len(ids) <= max_batch requests into the static inputs
         (the rest of its bucket padded) for ``replay``, without waiting for the device.
+        ``table``: the requests' rows of ``block_tables`` (``DeviceBlockTables.plan``).
         ``feed`` = (source [R] int64 on the device, rows): request ``i``'s token is
         ``source[rows[i]]`` for each ``i`` with ``rows[i] >= 0``, in place of ``ids[i]``."""
         batch = len(ids)
         size = self._bucket(batch)
         pad = size - batch
-        width = len(table[0])
         fed = [i for i, row in enumerate(feed[1]) if row >= 0] if feed is not None else []
         values = [*ids, *[0] * pad, *positions, *[0] * pad, *slots, *[-1] * pad]
-        values += [*context_lens, *[0] * pad]
-        values += itertools.chain.from_iterable(table)  # a generator per row costs 4x more
+        values += [*context_lens, *[0] * pad, *table.rows, *table.writes]
         values += [*(feed[1][i] for i in fed), *fed] if feed is not None else []
         parts = self._staging.copy(values).split(
-            [size, size, size, size, batch * width, len(fed), len(fed)]
+            [size, size, size, size, batch, len(table.writes), len(fed), len(fed)]
         )
         self.input_ids[0, :size].copy_(parts[0])
         self.positions[0, :size].copy_(parts[1])
         self.slots[:size].copy_(parts[2])
         self.context[:size].copy_(parts[3])
-        self.tables[:batch, :width].copy_(parts[4].view(batch, width))
+        self.block_tables.apply(parts[5], parts[4], table.width, self.tables)
         if feed is not None and fed:
-            self.input_ids[0].index_copy_(0, parts[6], feed[0][parts[5]])
+            self.input_ids[0].index_copy_(0, parts[7], feed[0][parts[6]])
 
     def replay(self, batch: int) -> torch.Tensor:
         """Runs the step ``load`` copied in; logits [batch, vocab] (a view into the graph's

@@ -16,7 +16,8 @@ the sampled rows only.
 Static inputs, sized for the largest bucket: token ids, positions and slots [T]; block tables
 [R, W], row offsets [R + 1] and context lengths [R] of at most R = ``max_chunks`` chunks, W =
 ``max_blocks``; the tiles [I, 2]; the two counts. A step's inputs travel in one copy
-(``compute.transfer.Staging``) and are scattered into them on the device. Token rows past the
+(``compute.transfer.Staging``) and are scattered into them on the device; its block tables are
+gathered there from the runner's ``DeviceBlockTables``. Token rows past the
 step's hold slot -1 (``store_kv`` skips them) and no chunk or tile names them: they compute
 garbage nobody reads. Stale table rows and columns are never read: the counts bound the rows,
 each row's context its columns.
@@ -34,6 +35,7 @@ import torch
 from transformers import PreTrainedModel
 
 from compute.attention import PagedBatch, check_window
+from compute.block_tables import DeviceBlockTables, TableRows
 from compute.transfer import Staging
 from contracts.model_config import kv_geometry
 
@@ -64,8 +66,10 @@ class MixedGraphs:
         max_tokens: int,
         max_chunks: int,
         max_blocks: int,
+        tables: DeviceBlockTables,
     ) -> None:
-        """pool: [num_blocks, layers, 2, block_size, kv_heads, head_dim] on CUDA."""
+        """pool: [num_blocks, layers, 2, block_size, kv_heads, head_dim] on CUDA; ``tables``:
+        the sequences' block tables on the device (the runner's)."""
         from kernels import prefill_tile_tokens
 
         assert pool.is_cuda, "CUDA graphs need the pool on a CUDA device"
@@ -78,6 +82,7 @@ class MixedGraphs:
         self.max_tokens = max_tokens
         self.max_chunks = max_chunks
         self.max_blocks = max_blocks
+        self.block_tables = tables
         self.buckets = token_buckets(max_tokens)
         geometry = kv_geometry(config, str(pool.dtype).removeprefix("torch."))
         group = int(config.num_attention_heads) // geometry.num_kv_heads
@@ -92,9 +97,10 @@ class MixedGraphs:
         self.tiles = torch.zeros(self._tile_room(max_tokens), 2, dtype=i32, device=device)
         self.decode_count = torch.zeros(1, dtype=i32, device=device)
         self.tile_count = torch.zeros(1, dtype=i32, device=device)
-        # ids, positions, slots, kept rows: [T] each; offsets, contexts, fed rows and their
-        # positions: [R] each (+1); the table; the tiles; the two counts
-        room = 4 * max_tokens + 4 * (max_chunks + 1) + max_chunks * max_blocks
+        # ids, positions, slots, kept rows: [T] each; offsets, contexts, table rows, fed rows
+        # and their positions: [R] each (+1); the table writes (3 per block); the tiles; the
+        # two counts
+        room = 4 * max_tokens + 5 * (max_chunks + 1) + 3 * max_chunks * max_blocks
         self._staging = Staging(room + 2 * self.tiles.shape[0] + 2, device)
         self.windows: dict[int, int | None] = {}  # layer -> sliding window, seen at capture
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -172,19 +178,20 @@ class MixedGraphs:
         slots: list[int],
         cu: list[int],
         context_lens: list[int],
-        table: list[list[int]],
+        table: TableRows,
         num_decodes: int,
         keep: list[int],
         feed: tuple[torch.Tensor, list[int], list[int]] | None = None,
     ) -> torch.Tensor:
         """One step (its packed host lists, ``ModelRunner.pack``; the first ``num_decodes``
-        chunks one token each; ``fits``); logits [len(keep), vocab] of the packed rows ``keep``.
+        chunks one token each; ``fits``; ``table``: the chunks' rows of ``block_tables``);
+        logits [len(keep), vocab] of the packed rows ``keep``.
         ``feed`` = (source [R] int64 on the device, rows, packed positions): the token at each
         position is ``source[row]``, not its host id. Enqueues the work without waiting for the
         device."""
         from kernels import prefill_tiles
 
-        tokens, chunks, width = len(ids), len(context_lens), len(table[0])
+        tokens, chunks = len(ids), len(context_lens)
         size = next(s for s in self.buckets if s >= tokens)
         for window in set(self.windows.values()):
             check_window(window, max(context_lens))
@@ -193,27 +200,26 @@ class MixedGraphs:
         assert len(tiles) <= self._tile_room(size), "more tiles than a step can have"
         pad = size - tokens
         values = [*ids, *[0] * pad, *positions, *[0] * pad, *slots, *[-1] * pad, *cu]
-        values += context_lens
-        values += itertools.chain.from_iterable(table)  # a generator per row costs 4x more
+        values += [*context_lens, *table.rows, *table.writes]
         values += [*(x for pair in tiles for x in pair), num_decodes, len(tiles), *keep]
         fed_rows, fed_positions = (feed[1], feed[2]) if feed is not None else ([], [])
         values += [*fed_rows, *fed_positions]
-        lengths = [size, size, size, chunks + 1, chunks, chunks * width, 2 * len(tiles), 1, 1]
-        lengths += [len(keep), len(fed_rows), len(fed_positions)]
+        lengths = [size, size, size, chunks + 1, chunks, chunks, len(table.writes)]
+        lengths += [2 * len(tiles), 1, 1, len(keep), len(fed_rows), len(fed_positions)]
         parts = self._staging.copy(values).split(lengths)
         self.input_ids[0, :size].copy_(parts[0])
         self.positions[0, :size].copy_(parts[1])
         self.slots[:size].copy_(parts[2])
         self.cu[: chunks + 1].copy_(parts[3])
         self.context[:chunks].copy_(parts[4])
-        self.tables[:chunks, :width].copy_(parts[5].view(chunks, width))
+        self.block_tables.apply(parts[6], parts[5], table.width, self.tables)
         if tiles:
-            self.tiles[: len(tiles)].copy_(parts[6].view(-1, 2))
-        self.decode_count.copy_(parts[7])
-        self.tile_count.copy_(parts[8])
+            self.tiles[: len(tiles)].copy_(parts[7].view(-1, 2))
+        self.decode_count.copy_(parts[8])
+        self.tile_count.copy_(parts[9])
         if feed is not None and fed_rows:
-            self.input_ids[0].index_copy_(0, parts[11], feed[0][parts[10]])
+            self.input_ids[0].index_copy_(0, parts[12], feed[0][parts[11]])
         graph, hidden = self.graphs[size]
         graph.replay()
         self.replays += 1
-        return self.lm_head(hidden.index_select(0, parts[9]))
+        return self.lm_head(hidden.index_select(0, parts[10]))

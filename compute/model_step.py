@@ -259,7 +259,7 @@ class ModelStep:
     def _scheduled(self, chunk: Chunk, every_row: bool) -> ScheduledChunk:
         seq = chunk.seq
         tokens = [0] if chunk.fed else seq.token_ids[chunk.start : chunk.start + chunk.num_tokens]
-        return ScheduledChunk(tokens, chunk.start, seq.block_ids, every_row)
+        return ScheduledChunk(tokens, chunk.start, seq.block_ids, every_row, seq.seq_id)
 
     def _feed(self, chunks: list[Chunk]) -> Feed | None:
         """Where the fed chunks' tokens are: the in-flight step's draw."""

@@ -20,6 +20,7 @@ import torch
 from transformers import PreTrainedModel
 
 from compute.attention import ATTN_NAME, PagedBatch, copy_blocks_inplace
+from compute.block_tables import DeviceBlockTables, TableRows
 from compute.graphs import DecodeGraphs
 from compute.mixed_graphs import MIXED_GRAPH_MODEL_TYPES, MixedGraphs
 from compute.transfer import to_device
@@ -39,7 +40,7 @@ class Packed:
     slots: list[int]  # [T] pool slot of each token
     cu: list[int]  # [B + 1] row offsets
     context_lens: list[int]  # [B]
-    table: list[list[int]]  # [B, width] block tables, zero-padded
+    width: int  # blocks the longest context reads: the step's block-table width
 
 
 @dataclass(frozen=True)
@@ -58,13 +59,16 @@ class ScheduledChunk(NamedTuple):  # made per token per step: 4x cheaper than a 
     ``start`` is the number of the request's tokens whose KV is already in its blocks (its
     ``num_computed``); ``block_ids`` is its whole block table, which must cover
     ``start + len(token_ids)`` tokens. A decode is a chunk of one token. ``every_row``: the
-    logits of each of its tokens are kept, not only its last one's.
+    logits of each of its tokens are kept, not only its last one's. ``key``: the sequence's id,
+    under which the runner keeps its block table on the device between steps (None: none; its
+    table is compared in full each step, as any keyed one is).
     """
 
     token_ids: Sequence[int]
     start: int
     block_ids: Sequence[int]
     every_row: bool = False
+    key: str | None = None
 
 
 class ModelRunner:
@@ -119,14 +123,22 @@ class ModelRunner:
             compile_variants(pool[:, 0, 0], pool[:, 0, 1], int(config.num_attention_heads))
         self.graphs: DecodeGraphs | None = None
         max_blocks = -(-config.max_position_embeddings // block_size)
+        # the graphs' block tables, kept on the device between steps: two rows per sequence a
+        # step can hold, so the rows of sequences that left are reclaimed in batches
+        rows = 2 * max(cuda_graph_max_batch, min(max_chunks, cuda_graph_max_tokens), 1)
+        self.tables = DeviceBlockTables(rows, max_blocks, pool.device)
         if cuda_graph_max_batch > 0 and pool.is_cuda:
-            self.graphs = DecodeGraphs(model, pool, block_size, cuda_graph_max_batch, max_blocks)
+            self.graphs = DecodeGraphs(
+                model, pool, block_size, cuda_graph_max_batch, max_blocks, self.tables
+            )
             self.graphs.capture()
         self.mixed: MixedGraphs | None = None
         if cuda_graph_max_tokens > 0 and pool.is_cuda:
             if config.model_type in MIXED_GRAPH_MODEL_TYPES:
                 chunks = min(max_chunks, cuda_graph_max_tokens)
-                self.mixed = MixedGraphs(model, pool, cuda_graph_max_tokens, chunks, max_blocks)
+                self.mixed = MixedGraphs(
+                    model, pool, cuda_graph_max_tokens, chunks, max_blocks, self.tables
+                )
                 self.mixed.capture()
             else:
                 log.info(
@@ -175,10 +187,13 @@ class ModelRunner:
             total += n
             cu.append(total)
             lens.append(end)
-        width = -(-max(lens) // bs)  # blocks the longest context reads
+        return Packed(ids, positions, slots, cu, lens, -(-max(lens) // bs))
+
+    @staticmethod
+    def padded_table(batch: Sequence[ScheduledChunk], width: int) -> list[list[int]]:
+        """The step's block tables as host rows [B, width], zero-padded (the eager path's)."""
         zeros = [0] * width
-        table = [[*row, *zeros[len(row) :]] for row in (c.block_ids[:width] for c in batch)]
-        return Packed(ids, positions, slots, cu, lens, table)
+        return [[*row, *zeros[len(row) :]] for row in (c.block_ids[:width] for c in batch)]
 
     def prepare(
         self, batch: Sequence[ScheduledChunk], packed: Packed | None = None
@@ -200,7 +215,7 @@ class ModelRunner:
         max_query_len = max(b - a for a, b in itertools.pairwise(cu))
         paged = PagedBatch(
             slot_mapping=tensor(packed.slots, torch.int64),  # [T]
-            block_tables=tensor(packed.table, torch.int32),  # [B, width]
+            block_tables=tensor(self.padded_table(batch, packed.width), torch.int32),  # [B, W]
             cu_seqlens_q=tensor(cu, torch.int32),  # [B + 1]
             context_lens=tensor(packed.context_lens, torch.int32),  # [B]
             max_query_len=max_query_len,
@@ -235,7 +250,7 @@ class ModelRunner:
         token is taken from the device (their host token id is a placeholder). Enqueues the
         work; waits for the device only where an eager model does."""
         packed = self.pack(batch)  # once: every path below takes its lists
-        width = len(packed.table[0])
+        width = packed.width
         graphs, mixed = self.graphs, self.mixed
         decodes = len(packed.ids) == len(batch)  # one token per chunk
         if graphs is not None and decodes and graphs.fits(len(batch), width):
@@ -249,7 +264,7 @@ class ModelRunner:
                 packed.ids,
                 packed.positions,
                 packed.slots,
-                packed.table,
+                self._table_rows(batch, width),
                 packed.context_lens,
                 source,
             )
@@ -262,7 +277,7 @@ class ModelRunner:
                 slots=packed.slots,
                 cu=packed.cu,
                 context_lens=packed.context_lens,
-                table=packed.table,
+                table=self._table_rows(batch, width),
                 num_decodes=self.leading_decodes(batch),
                 keep=self.kept_rows(batch, packed.cu),
                 feed=fed,
@@ -274,6 +289,10 @@ class ModelRunner:
             self._scatter(inputs["input_ids"][0], feed, positions)
         out = self.model(**inputs, use_cache=False, paged=paged)
         return out.logits[0].float()  # [B, vocab]
+
+    def _table_rows(self, batch: Sequence[ScheduledChunk], width: int) -> TableRows:
+        """The step's block tables as rows of ``self.tables`` and the writes they need."""
+        return self.tables.plan([c.key for c in batch], [c.block_ids for c in batch], width)
 
     def _scatter(self, input_ids: torch.Tensor, feed: Feed, positions: list[int]) -> None:
         """input_ids[positions[i]] = feed.source[feed.rows[i]], on the device."""

@@ -75,8 +75,9 @@ class ComputeConfig:
         default=2048,
         metadata={
             "help": "on CUDA (Llama, Mistral, Qwen2, Qwen3 models), capture the forwards of "
-            "other steps of up to this many tokens as CUDA graphs cut at each attention, "
-            "which runs eagerly between them (capped by --max-num-batched-tokens); 0 runs "
+            "other steps (prompt chunks beside decodes) of up to this many tokens as CUDA "
+            "graphs of the whole decoder, one per token bucket (capped by "
+            "--max-num-batched-tokens); 0 runs "
             "them eagerly"
         },
     )

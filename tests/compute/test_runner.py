@@ -143,18 +143,19 @@ def test_pack_lays_out_decodes_and_chunks_exactly() -> None:
     runner = ModelRunner(
         paged_model(tiny_family_config("llama"), seed=1), torch.zeros(8, 2, 2, 4, 2, 16), 4
     )
-    packed = runner.pack(
-        [
-            ScheduledChunk([7], 5, [3, 1, 9]),  # position 5: block 1, offset 1
-            ScheduledChunk([8, 9, 10], 2, [4, 6]),  # positions 2, 3 in block 4, then 4 in 6
-            ScheduledChunk([11], 0, [2, 5, 0]),  # an unused block past the context: cut
-        ]
-    )
+    batch = [
+        ScheduledChunk([7], 5, [3, 1, 9]),  # position 5: block 1, offset 1
+        ScheduledChunk([8, 9, 10], 2, [4, 6]),  # positions 2, 3 in block 4, then 4 in 6
+        ScheduledChunk([11], 0, [2, 5, 0]),  # an unused block past the context: cut
+    ]
+    packed = runner.pack(batch)
     assert packed.ids == [7, 8, 9, 10, 11]
     assert packed.positions == [5, 2, 3, 4, 0]
     assert packed.slots == [1 * 4 + 1, 4 * 4 + 2, 4 * 4 + 3, 6 * 4 + 0, 2 * 4 + 0]
     assert packed.cu == [0, 1, 4, 5] and packed.context_lens == [6, 5, 1]
-    assert packed.table == [[3, 1], [4, 6], [2, 5]]  # width: 6 tokens need 2 blocks of 4
+    assert packed.width == 2  # 6 tokens need 2 blocks of 4
+    assert runner.padded_table(batch, packed.width) == [[3, 1], [4, 6], [2, 5]]
+    assert runner.padded_table(batch[1:2], 3) == [[4, 6, 0]]
     whole = runner.pack([ScheduledChunk(list(range(9)), 0, [5, 2, 7])])  # whole blocks, a part
     assert whole.slots == [20, 21, 22, 23, 8, 9, 10, 11, 28]
     with pytest.raises(ValueError, match="2 blocks cannot hold 9 tokens"):

@@ -128,3 +128,31 @@ def test_the_same_seed_gives_the_same_requests() -> None:
 
     assert make(1) == make(1) != make(2)
     assert len(make(1)) == 4 and all(len(g) == 2 for g in make(1))
+
+
+def test_the_engine_alone_bench_serves_the_requests_the_client_sends(tmp_path: Path) -> None:
+    """``bench/serve.py --tokenizer DIR`` (the engine alone) feeds the engine the very token ids
+    the gateway makes of the chat requests ``pagedserve bench`` sends (``bench/http_serve.py``'s
+    flags), so the two runs' throughputs compare one workload."""
+    import msgspec
+    from transformers import LlamaConfig
+
+    from bench.http_serve import save_word_level_tokenizer
+    from bench.serve import workload
+    from gateway.config import GatewayConfig
+    from gateway.prepare import ModelInfo, prepare_chat
+    from gateway.schemas import ChatRequest
+
+    LlamaConfig(vocab_size=128256, max_position_embeddings=4096).save_pretrained(tmp_path)
+    save_word_level_tokenizer(tmp_path, 128256)
+    jobs = workload(6, seed=5, tokenizer=str(tmp_path))
+    decode, vocab = tokenizer_of(str(tmp_path))
+    groups = build("random", 6, (64, 1024), (32, 512), 5, lambda r: TextMaker(r, decode, vocab))
+    model = ModelInfo.load(GatewayConfig(model=str(tmp_path)))
+    for (turn,), (ids, max_tokens) in zip(groups, jobs, strict=True):
+        body = {"model": "m", "max_tokens": turn.max_tokens}
+        body["messages"] = [{"role": "user", "content": turn.text}]
+        prepared = prepare_chat(msgspec.convert(body, ChatRequest), model, 1)
+        assert prepared.prompts == [ids]
+        assert prepared.params.max_tokens == max_tokens
+        assert 64 - 3 <= len(ids) <= 1024  # special ids (0, BOS, EOS) are left out of the text
