@@ -63,8 +63,10 @@ def checkpoint(directory: Path, shape: str, byte_level: bool = False) -> Path:
 
     config = SHAPES[shape]()
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # 8B: minutes on a CPU
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(directory)
+    del model
     if byte_level:
         from bench.byte_vocab import byte_level_tokenizer
 
