@@ -104,7 +104,10 @@ class GreedyDriver:
         self.pending_copies = []
         batch = [
             ScheduledChunk(
-                s.tokens[s.num_computed : s.num_computed + n], s.num_computed, s.block_ids
+                s.tokens[s.num_computed : s.num_computed + n],
+                s.num_computed,
+                s.block_ids,
+                key=s.req_id,  # as the engine keys them (the runner's device block tables)
             )
             for s, n in scheduled
         ]

@@ -1,0 +1,123 @@
+"""The device time a workload needs at given kernel ceilings, step by step as the scheduler
+composes its steps. CPU only: a model, fed with ceilings measured on the GPU.
+
+The requests are those of ``bench/http_serve.py`` (``pagedserve bench --seed 0``: prompts
+64-1024 tokens, outputs 32-512). Steps are composed as ``compute.scheduler.Scheduler`` does:
+every running request that has its prompt decodes one token, then prompt chunks first come,
+first served, within ``--max-num-batched-tokens``; at most ``--max-num-seqs`` run, and a
+request that finishes makes room for the next. Each step costs
+
+- its matrix products: ``2 x non-embedding weights x tokens`` FLOPs at ``--products-tflops``,
+  or a read of every weight at ``--copy-tb-s``, whichever is longer;
+- the lm_head on the sampled rows, at ``--products-tflops``;
+- its decodes' attention: every decode reads its context's K and V at ``--attention-tb-s``.
+
+Everything else (norms, rotary, activations, prompt attention, gaps between kernels, host time)
+is left out: the figure is a bound the kernels as measured cannot beat, and the distance of a
+measured run from it is what those parts and the schedule's shape cost.
+
+    python bench/schedule_bound.py --shape 8b --requests 1000 --products-tflops 760 \\
+        --attention-tb-s 4.2
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.http_serve import save_word_level_tokenizer
+from bench.serve import SHAPES, workload
+
+
+def bound(
+    jobs: list[tuple[int, int]],
+    max_seqs: int,
+    budget: int,
+    flops: tuple[float, float],
+    kv_bytes: float,
+    rates: tuple[float, float, float],
+) -> dict[str, float]:
+    """Seconds per part for ``jobs`` (prompt length, output length). ``flops``: FLOPs per token
+    of the products and of the lm_head; ``kv_bytes``: K and V bytes per context token (all
+    layers); ``rates``: (FLOP/s of products, bytes/s of a weight read, bytes/s of attention)."""
+    per_token, head = flops
+    products_rate, copy_rate, attention_rate = rates
+    weight_bytes = per_token  # 2 FLOPs per weight and token; 2 bytes per bf16 weight
+    waiting = list(range(len(jobs)))[::-1]
+    running: list[list[int]] = []  # [job, prompt tokens computed, output tokens drawn]
+    parts = {"products": 0.0, "lm_head": 0.0, "decode_attention": 0.0, "steps": 0.0}
+    while waiting or running:
+        while waiting and len(running) < max_seqs:
+            running.append([waiting.pop(), 0, 0])
+        left, tokens, context, sampled = budget, 0, 0, 0
+        for request in running:  # decodes first
+            prompt = jobs[request[0]][0]
+            if request[1] == prompt and left > 0:
+                context += prompt + request[2]
+                request[2] += 1
+                left, tokens, sampled = left - 1, tokens + 1, sampled + 1
+        for request in running:  # then prompt chunks, first come first served
+            prompt = jobs[request[0]][0]
+            if request[1] < prompt and left > 0:
+                n = min(left, prompt - request[1])
+                request[1] += n
+                left, tokens = left - n, tokens + n
+                if request[1] == prompt:  # the chunk's last row draws the first token
+                    request[2], sampled = 1, sampled + 1
+        parts["products"] += max(per_token * tokens / products_rate, weight_bytes / copy_rate)
+        parts["lm_head"] += head * sampled / products_rate
+        parts["decode_attention"] += context * kv_bytes / attention_rate
+        parts["steps"] += 1
+        running = [r for r in running if not (r[1] == jobs[r[0]][0] and r[2] >= jobs[r[0]][1])]
+    return parts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="8b")
+    parser.add_argument("--requests", type=int, default=1000)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--products-tflops", type=float, default=760.0, help="measured, bf16")
+    parser.add_argument("--copy-tb-s", type=float, default=4.28, help="device copy")
+    parser.add_argument("--attention-tb-s", type=float, default=4.2, help="decode attention")
+    args = parser.parse_args()
+    config = SHAPES[args.shape]()
+    with tempfile.TemporaryDirectory() as directory:
+        config.save_pretrained(directory)
+        save_word_level_tokenizer(Path(directory), config.vocab_size)
+        requests = workload(args.requests, seed=0, tokenizer=directory)
+    jobs = [(len(prompt), max_tokens) for prompt, max_tokens in requests]
+    hidden, layers = int(config.hidden_size), int(config.num_hidden_layers)
+    head_dim, kv_heads = config.head_dim, config.num_key_value_heads
+    assert head_dim is not None and kv_heads is not None, "the bench shapes set both"
+    kv_width = kv_heads * head_dim
+    q_width = int(config.num_attention_heads) * head_dim
+    mlp = 3 * hidden * int(config.intermediate_size)
+    per_layer = hidden * (q_width + 2 * kv_width) + q_width * hidden + mlp
+    head = 2.0 * hidden * config.vocab_size
+    parts = bound(
+        jobs,
+        args.max_num_seqs,
+        args.max_num_batched_tokens,
+        (2.0 * per_layer * layers, head),
+        2.0 * 2 * kv_width * layers,  # K and V, bf16
+        (args.products_tflops * 1e12, args.copy_tb_s * 1e12, args.attention_tb_s * 1e12),
+    )
+    seconds = parts["products"] + parts["lm_head"] + parts["decode_attention"]
+    out = sum(max_tokens for _, max_tokens in jobs)
+    print(
+        f"{args.shape}, {args.requests} requests ({sum(p for p, _ in jobs)} prompt and {out} "
+        f"output tokens), {args.max_num_seqs} seqs, {args.max_num_batched_tokens} tokens per "
+        f"step: {parts['steps']:.0f} steps; bound {seconds:.2f} s (products "
+        f"{parts['products']:.2f}, lm_head {parts['lm_head']:.2f}, decode attention "
+        f"{parts['decode_attention']:.2f}) -> at most {out / seconds:.0f} output tok/s"
+    )
+
+
+if __name__ == "__main__":
+    main()
