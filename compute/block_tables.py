@@ -30,8 +30,8 @@ __all__ = ["DeviceBlockTables", "TableRows"]
 
 class TableRows(NamedTuple):
     """A step's block tables as ``DeviceBlockTables`` rows: the row of each sequence, the
-    writes the rows need first (flat ``[rows..., columns..., blocks...]``), and the width the
-    step reads (blocks of its longest context)."""
+    writes the rows need first (``[places..., blocks...]``, a place being ``row * max_blocks +
+    column``), and the width the step reads (blocks of its longest context)."""
 
     rows: list[int]
     writes: list[int]
@@ -71,10 +71,9 @@ class DeviceBlockTables:
             for key in [k for k in self._row_of if k not in kept]:
                 self._free.append(self._row_of.pop(key))
         rows: list[int] = []
-        at: list[int] = []
-        columns: list[int] = []
+        places: list[int] = []
         blocks: list[int] = []
-        row_of, mirror = self._row_of, self._mirror
+        row_of, mirror, width_of_row = self._row_of, self._mirror, self.max_blocks
         for key, table in zip(keys, tables, strict=True):
             row = row_of.get(key)
             if row is None:
@@ -87,12 +86,11 @@ class DeviceBlockTables:
                 raise ValueError(f"a table of {len(table)} blocks, rows of {self.max_blocks}")
             n = len(had)
             first = n if n <= len(table) and table[:n] == had else 0  # grew, or rewritten
-            new = list(table[first:])
-            at += [row] * len(new)
-            columns += range(first, len(table))
-            blocks += new
+            base = row * width_of_row
+            places += range(base + first, base + len(table))
+            blocks += table[first:]
             mirror[row] = list(table)
-        return TableRows(rows, [*at, *columns, *blocks], width)
+        return TableRows(rows, [*places, *blocks], width)
 
     def apply(
         self, writes: torch.Tensor, rows: torch.Tensor, width: int, out: torch.Tensor
@@ -100,6 +98,6 @@ class DeviceBlockTables:
         """Enqueues a ``TableRows``' writes and the gather of its rows into ``out[:len(rows),
         :width]`` (``writes``, ``rows``: its lists on the device, int64)."""
         if writes.numel():
-            at, columns, blocks = writes.view(3, -1)
-            self.table[at, columns] = blocks.to(torch.int32)
+            places, blocks = writes.view(2, -1)
+            self.table.view(-1).index_copy_(0, places, blocks.to(torch.int32))
         out[: rows.numel(), :width].copy_(self.table[rows, :width])

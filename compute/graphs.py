@@ -65,8 +65,8 @@ class DecodeGraphs:
         self.cu = torch.arange(max_batch + 1, dtype=torch.int32, device=device)  # [B + 1]
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.replays = 0  # a counter
-        # ids, positions, slots, context, table rows, feed [B] each; table writes (3 per block)
-        self._staging = Staging(max_batch * (6 + 3 * max_blocks), device)
+        # ids, positions, slots, context, table rows, feed [B] each; table writes (2 per block)
+        self._staging = Staging(max_batch * (6 + 2 * max_blocks), device)
 
     def fits(self, batch: int, width: int) -> bool:
         """A decode step of ``batch`` requests whose longest context reads ``width`` blocks can

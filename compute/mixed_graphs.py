@@ -98,9 +98,9 @@ class MixedGraphs:
         self.decode_count = torch.zeros(1, dtype=i32, device=device)
         self.tile_count = torch.zeros(1, dtype=i32, device=device)
         # ids, positions, slots, kept rows: [T] each; offsets, contexts, table rows, fed rows
-        # and their positions: [R] each (+1); the table writes (3 per block); the tiles; the
+        # and their positions: [R] each (+1); the table writes (2 per block); the tiles; the
         # two counts
-        room = 4 * max_tokens + 5 * (max_chunks + 1) + 3 * max_chunks * max_blocks
+        room = 4 * max_tokens + 5 * (max_chunks + 1) + 2 * max_chunks * max_blocks
         self._staging = Staging(room + 2 * self.tiles.shape[0] + 2, device)
         self.windows: dict[int, int | None] = {}  # layer -> sliding window, seen at capture
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}

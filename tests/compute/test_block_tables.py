@@ -24,12 +24,12 @@ def test_a_row_is_written_once_then_only_its_new_blocks() -> None:
     tables = DeviceBlockTables(4, 6, torch.device("cpu"))
     first = tables.plan(["a", "b"], [[7, 3], [5]], 2)
     assert first.rows == [0, 1]  # rows are handed out from the lowest
-    assert first.writes == [0, 0, 1, 0, 1, 0, 7, 3, 5]  # rows, columns, blocks
+    assert first.writes == [0, 1, 6, 7, 3, 5]  # places (row * 6 + column), then blocks
     assert gathered(tables, first)[0] == [7, 3] and gathered(tables, first)[1][0] == 5
     assert tables.plan(["a", "b"], [[7, 3], [5]], 2).writes == []  # nothing changed
     grown = tables.plan(["b", "a"], [[5, 9], [7, 3, 2]], 3)  # each got a block; order swapped
     assert grown.rows == [1, 0]
-    assert grown.writes == [1, 0, 1, 2, 9, 2]  # b's column 1, a's column 2
+    assert grown.writes == [7, 2, 9, 2]  # b's column 1, a's column 2
     assert gathered(tables, grown) == [[5, 9, 0], [7, 3, 2]]
 
 
@@ -37,10 +37,10 @@ def test_a_changed_block_rewrites_the_row_and_a_shorter_table_reads_its_prefix()
     tables = DeviceBlockTables(2, 4, torch.device("cpu"))
     gathered(tables, tables.plan(["a"], [[1, 2, 3]], 3))
     swapped = tables.plan(["a"], [[1, 8, 3]], 3)  # copy-on-write of block 1
-    assert swapped.writes == [0, 0, 0, 0, 1, 2, 1, 8, 3]
+    assert swapped.writes == [0, 1, 2, 1, 8, 3]
     assert gathered(tables, swapped) == [[1, 8, 3]]
     placed_again = tables.plan(["a"], [[6]], 1)  # preempted, placed anew
-    assert placed_again.writes == [0, 0, 6]
+    assert placed_again.writes == [0, 6]
     assert gathered(tables, placed_again) == [[6]]  # past the table: stale, never read
 
 
