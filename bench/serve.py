@@ -194,6 +194,7 @@ def serve_jobs(engine: Engine, url: str, jobs: Jobs, tag: str) -> dict[str, Any]
     r = redis.Redis.from_url(url)
     engine.phase_s.clear()
     device_s, fed = engine.model_step.device_s, engine.model_step.tokens_fed
+    by_path = dict(engine.model_step.by_path.totals)
     start = time.perf_counter()
     asyncio.run(submit())
     steps = 0
@@ -210,6 +211,14 @@ def serve_jobs(engine: Engine, url: str, jobs: Jobs, tag: str) -> dict[str, Any]
     assert tokens == sum(m for _, m in jobs), "lost tokens"
     phases = {k: round(v, 3) for k, v in engine.phase_s.items()}
     model = engine.model_step
+    paths = {}  # forward path -> (steps, device seconds, tokens) of the run
+    for path, (steps_now, seconds, computed) in model.by_path.totals.items():
+        steps_then, seconds_then, computed_then = by_path.get(path, (0, 0.0, 0))
+        paths[path] = (
+            steps_now - steps_then,
+            round(seconds - seconds_then, 3),
+            computed - computed_then,
+        )
     return {
         "seconds": seconds,
         "tokens": tokens,
@@ -217,6 +226,7 @@ def serve_jobs(engine: Engine, url: str, jobs: Jobs, tag: str) -> dict[str, Any]
         "phases": phases,
         "device_s": round(model.device_s - device_s, 3),
         "tokens_fed": model.tokens_fed - fed,
+        "device_by_path": paths,
     }
 
 

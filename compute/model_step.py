@@ -43,10 +43,11 @@ from compute.logprobs import Logprobs, PromptLogprobs, sampled_logprobs, split_p
 from compute.penalties import ProcessedRow, process_logits
 from compute.registry import Requests
 from compute.requests import Active, output_record
-from compute.runner import Feed, ModelRunner, ScheduledChunk
+from compute.runner import Feed, ForwardPath, ModelRunner, ScheduledChunk
 from compute.sampling import RowState, sample
 from compute.scheduler import Chunk
 from compute.stops import StopChecker
+from compute.timeline import PathTotals
 from compute.transfer import to_device
 from contracts.records import OutputRecord, SamplingParams
 
@@ -79,6 +80,8 @@ class Launched:
     logprobs: Logprobs | None = None  # of the rows whose request asked for them
     prompt: PromptLogprobs | None = None  # of the prompt tokens of chunks that collect them
     frees_after: list[str] = field(default_factory=list)  # to free once this is processed
+    path: ForwardPath = "eager"  # how its forward ran
+    num_tokens: int = 0  # computed (prompt and decode)
 
     @property
     def sync(self) -> bool:
@@ -129,6 +132,7 @@ class ModelStep:
         self.tokens_computed = 0  # tokens run through the model (prefill + decode), a counter
         self.tokens_fed = 0  # of those, tokens fed from the device (overlapped decodes)
         self.device_s = 0.0  # device seconds of processed steps (CUDA), a counter
+        self.by_path = PathTotals()  # the same, per forward path
         kvsync.quiesce = self.quiesce
 
     # ------------------------------------------------------------------ launching
@@ -154,7 +158,8 @@ class ModelStep:
         prompt = None
         if any(collects):  # logits of every row of those chunks: split them off
             logits, prompt = split_prompt_rows(chunks, collects, logits)
-        self.tokens_computed += sum(c.num_tokens for c in chunks)
+        num_tokens = sum(c.num_tokens for c in chunks)
+        self.tokens_computed += num_tokens
         self.tokens_fed += sum(c.fed for c in chunks)
         clock = self._phase("forward", clock)
         rows: list[Row] = []
@@ -209,8 +214,9 @@ class ModelStep:
             events[1].record()
         self._phase("draw", clock)
         return Launched(
-            chunks, rows, row_of, sampled, host, logits, beams, events, logprobs, prompt
-        )
+            chunks, rows, row_of, sampled, host, logits, beams, events, logprobs, prompt,
+            path=self.runner.last_path, num_tokens=num_tokens,
+        )  # fmt: skip
 
     def _catch_up(self, rows: list[Row], chunks: list[Chunk]) -> None:
         """Guided rows of fed chunks draw after a token of the step in flight that their
@@ -282,7 +288,9 @@ class ModelStep:
         logprob_of = launched.logprobs.of() if launched.logprobs is not None else {}
         if launched.prompt is not None:  # before the first records, which carry them
             launched.prompt.store()
-        self.device_s += launched.device_ms() / 1e3
+        device_s = launched.device_ms() / 1e3
+        self.device_s += device_s
+        self.by_path.add(launched.path, device_s, launched.num_tokens)
         self.kvsync.frees += launched.frees_after  # nothing on the device writes them now
         for chunk in launched.chunks:
             self.scheduler.processed(chunk)

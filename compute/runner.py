@@ -14,7 +14,7 @@ import itertools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import torch
 from transformers import PreTrainedModel
@@ -26,7 +26,9 @@ from compute.mixed_graphs import MIXED_GRAPH_MODEL_TYPES, MixedGraphs
 from compute.transfer import to_device
 from contracts.model_config import kv_geometry
 
-__all__ = ["Feed", "ModelRunner", "ScheduledChunk"]
+__all__ = ["Feed", "ForwardPath", "ModelRunner", "ScheduledChunk"]
+
+ForwardPath = Literal["decode_graph", "mixed_graph", "eager"]  # how a forward ran
 
 log = logging.getLogger("pagedserve.compute")
 
@@ -133,6 +135,7 @@ class ModelRunner:
             )
             self.graphs.capture()
         self.mixed: MixedGraphs | None = None
+        self.last_path: ForwardPath = "eager"  # of the last forward, for the timeline
         if cuda_graph_max_tokens > 0 and pool.is_cuda:
             if config.model_type in MIXED_GRAPH_MODEL_TYPES:
                 chunks = min(max_chunks, cuda_graph_max_tokens)
@@ -268,6 +271,7 @@ class ModelRunner:
                 packed.context_lens,
                 source,
             )
+            self.last_path = "decode_graph"
             return graphs.replay(len(batch)).float()
         if mixed is not None and mixed.fits(len(packed.ids), len(packed.context_lens), width):
             fed = (feed.source, feed.rows, [packed.cu[i] for i in feed.chunks]) if feed else None
@@ -282,12 +286,14 @@ class ModelRunner:
                 keep=self.kept_rows(batch, packed.cu),
                 feed=fed,
             )
+            self.last_path = "mixed_graph"
             return logits.float()
         inputs, paged = self.prepare(batch, packed)
         if feed is not None:
             positions = [packed.cu[i] for i in feed.chunks]
             self._scatter(inputs["input_ids"][0], feed, positions)
         out = self.model(**inputs, use_cache=False, paged=paged)
+        self.last_path = "eager"
         return out.logits[0].float()  # [B, vocab]
 
     def _table_rows(self, batch: Sequence[ScheduledChunk], width: int) -> TableRows:

@@ -12,9 +12,22 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-__all__ = ["TimelineLog"]
+__all__ = ["PathTotals", "TimelineLog"]
+
+
+@dataclass
+class PathTotals:
+    """Processed steps, their device seconds and computed tokens, per way a forward ran
+    (``compute.runner.ForwardPath``): where the device time goes, decode graphs against
+    mixed-step graphs against eager forwards. Counters."""
+
+    totals: dict[str, tuple[int, float, int]] = field(default_factory=dict)
+
+    def add(self, path: str, device_s: float, tokens: int) -> None:
+        steps, seconds, computed = self.totals.get(path, (0, 0.0, 0))
+        self.totals[path] = (steps + 1, seconds + device_s, computed + tokens)
 
 
 @dataclass(frozen=True)

@@ -16,3 +16,13 @@ def test_a_line_every_period_with_per_step_averages_of_the_counters_growth() -> 
     )
     assert log.tick({"launch": 2.0}, 600, 25000, 4.0, now=25.0) is None  # no step: no line
     assert log.tick({"launch": 0.1}, 10, 100, 0.0, now=40.0) is None  # restarted: a new base
+
+
+def test_path_totals_count_steps_device_seconds_and_tokens_per_path() -> None:
+    from compute.timeline import PathTotals
+
+    totals = PathTotals()
+    totals.add("decode_graph", 0.002, 128)
+    totals.add("mixed_graph", 0.010, 900)
+    totals.add("decode_graph", 0.003, 120)
+    assert totals.totals == {"decode_graph": (2, 0.005, 248), "mixed_graph": (1, 0.010, 900)}
