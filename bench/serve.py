@@ -212,11 +212,11 @@ def serve_jobs(engine: Engine, url: str, jobs: Jobs, tag: str) -> dict[str, Any]
     phases = {k: round(v, 3) for k, v in engine.phase_s.items()}
     model = engine.model_step
     paths = {}  # forward path -> (steps, device seconds, tokens) of the run
-    for path, (steps_now, seconds, computed) in model.by_path.totals.items():
-        steps_then, seconds_then, computed_then = by_path.get(path, (0, 0.0, 0))
+    for path, (steps_now, device_now, computed) in model.by_path.totals.items():
+        steps_then, device_then, computed_then = by_path.get(path, (0, 0.0, 0))
         paths[path] = (
             steps_now - steps_then,
-            round(seconds - seconds_then, 3),
+            round(device_now - device_then, 3),
             computed - computed_then,
         )
     return {
