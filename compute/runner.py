@@ -62,8 +62,9 @@ class ScheduledChunk(NamedTuple):  # made per token per step: 4x cheaper than a 
     ``num_computed``); ``block_ids`` is its whole block table, which must cover
     ``start + len(token_ids)`` tokens. A decode is a chunk of one token. ``every_row``: the
     logits of each of its tokens are kept, not only its last one's. ``key``: the sequence's id,
-    under which the runner keeps its block table on the device between steps (None: none; its
-    table is compared in full each step, as any keyed one is).
+    under which the runner keeps its block table on the device between steps (None: the chunk's
+    place in the step stands for it, so its row is rewritten whenever its table differs from
+    that of the sequence last in that place).
     """
 
     token_ids: Sequence[int]
