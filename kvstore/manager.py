@@ -107,7 +107,9 @@ class KVCacheManager:
     ) -> tuple[Placement, TransferPlan]:
         """A worker takes over an orphaned request (its worker died). The stored tokens are cut
         to their longest common prefix with ``token_ids`` (what the new worker read back from the
-        output stream); the worker appends the rest. A preempted request is resumed. With
+        output stream), then extended with the rest: a dead worker may have streamed tokens it
+        never reported, and the new worker computes them from ``num_computed``, in blocks the
+        table has for them. A preempted request is resumed. With
         ``reuse_prefix`` False the worker needs every token's logits: what the request computed
         is dropped, and it is placed again without a prefix lookup."""
         request = self._get(req_id)
@@ -122,14 +124,22 @@ class KVCacheManager:
             raise KVError(
                 "bad_argument", f"tokens of {req_id!r} share no prefix with the kvstore's"
             )
-        last_block = request.block_ids[(common - 1) // self.block_size] if request.block_ids else 0
+        bs = self.block_size
+        streamed = token_ids[common:]  # what the dead worker streamed but never reported
+        last_block = request.block_ids[(common - 1) // bs] if request.block_ids else 0
         reopens_in_a_fresh_block = (
             request.status is Status.RUNNING
+            and not streamed
             and min(request.num_computed, common) == common
             and must_copy(self.store, last_block)
         )
-        if reopens_in_a_fresh_block and self.pool.num_available < 1:  # check before changing
-            raise KVError("no_space", f"no block to reopen the last token of {req_id!r}")
+        if request.status is Status.RUNNING and reuse_prefix:  # check before changing
+            kept = min(len(request.block_ids), cdiv(common, bs))
+            # streamed tokens: their blocks, and maybe a fresh one where writing resumes
+            grows = cdiv(len(token_ids), bs) - kept + 1 if streamed else 0
+            needed = int(reopens_in_a_fresh_block) + grows
+            if needed > self.pool.num_available:
+                raise KVError("no_space", f"no {needed} blocks to take {req_id!r} over")
         request.worker, request.orphaned_at = worker, None
         if not reuse_prefix:
             self.pool.release(request.block_ids)
@@ -137,14 +147,33 @@ class KVCacheManager:
             request.block_ids, request.cpu_block_ids = [], []
             request.num_computed = request.num_registered = 0
             request.status, request.reuse_prefix = Status.DROPPED, False
-        truncate(self.store, request, common, self.block_size)
+        truncate(self.store, request, common, bs)
+        request.token_ids.extend(streamed)  # known now, computed by the new worker
+        extend_hashes(request, bs)
         if request.status is not Status.RUNNING:
             return self._resume_one(request)
-        reopen_last_token(self.store, request, self.block_size)
+        if streamed:
+            self._make_room_for_streamed(request)
+        reopen_last_token(self.store, request, bs)
         placement = Placement(
             req_id, list(request.block_ids), request.num_computed, request.num_cached_tokens
         )
         return placement, TransferPlan()
+
+    def _make_room_for_streamed(self, request: Request) -> None:
+        """An adopted running request whose tokens outgrew its table (its dead worker streamed
+        tokens it never reported): blocks for them, and a private block where the new worker
+        starts writing (a shared or registered one is replaced, its tokens computed again).
+        The caller checked that the pool has the blocks."""
+        bs, table = self.block_size, request.block_ids
+        table.extend(self.store.allocate(cdiv(len(request.token_ids), bs) - len(table)))
+        first = request.num_computed // bs  # the first block the new worker writes
+        if first < len(table) and must_copy(self.store, table[first]):
+            [fresh] = self.store.allocate(1)
+            self.pool.release([table[first]])
+            table[first] = fresh
+            request.num_computed = first * bs
+            request.num_registered = min(request.num_registered, first)
 
     @property
     def admission_limit_blocks(self) -> int:
@@ -415,8 +444,9 @@ class KVCacheManager:
         num_computed = request.num_computed
         placement = self._place(request, record=False)
         reused = placement.num_computed // self.block_size
+        swapped = len(request.cpu_block_ids)  # an adopted one may have grown past them
         plan.swap_in = list(
-            zip(request.cpu_block_ids[reused:], request.block_ids[reused:], strict=True)
+            zip(request.cpu_block_ids[reused:], request.block_ids[reused:swapped], strict=True)
         )
         if request.decision_id is not None:
             plan.decisions[request.decision_id] = len(plan.swap_in)

@@ -250,6 +250,36 @@ def test_orphans_adopted_or_reclaimed_after_grace() -> None:
     m.check_integrity()
 
 
+def test_an_adopted_request_takes_the_tokens_its_dead_worker_streamed_but_never_reported() -> None:
+    """w1 streamed tokens 32 and 33 to the client, then died before reporting them: w2 adopts
+    with all 34. The kvstore knows them now, and the table has a block for the one past the
+    boundary (a worker that computed token 32 with three blocks in its table had crashed)."""
+    m = manager(10)
+    m.admit("a", "w1", list(range(30)), None)
+    m.append("a", "w1", [30, 31], 31)  # tokens 0..30 computed, 31 known
+    assert m.orphan_worker("w1", now=1.0) == ["a"]
+    placement, plan = m.adopt("a", "w2", [*range(32), 7, 8])
+    assert placement.block_ids == [0, 1, 2] and placement.num_computed == 31
+    assert m.requests["a"].token_ids == [*range(32), 7, 8] and not plan.swap_in
+    m.check_integrity()
+    assert m.append("a", "w2", [9], 34).new_block_ids == []  # then on as usual
+    m.check_integrity()
+
+
+def test_streamed_tokens_of_an_adopted_swapped_request_get_blocks_past_the_swapped_ones() -> None:
+    m = manager(10, 10)
+    m.pricing.calibration = SwapCalibration(1024, LinearCost(0.0, 1e-6), LinearCost(0.0, 1e-6))
+    m.pricing.prefill_profiles["w1"] = [(16, 1.0), (1024, 2.0)]  # recompute is far dearer
+    m.admit("a", "w1", list(range(20)), None)
+    m.append("a", "w1", [1], 20)
+    assert m.preempt(["a"], "w1", now=1.0)[0] == ["swap"]
+    m.orphan_worker("w1", now=2.0)
+    placement, plan = m.adopt("a", "w2", [*range(20), 1, *range(100, 112)])  # 33: 3 blocks
+    assert len(placement.block_ids) == 3 and len(m.requests["a"].token_ids) == 33
+    assert len(plan.swap_in) <= 2 and placement.num_computed <= 20  # the swapped ones only
+    m.check_integrity()
+
+
 def test_an_orphan_adopted_without_reuse_is_computed_again_in_fresh_blocks() -> None:
     """A request that wants its prompt's logprobs, orphaned mid-prefill: the new worker needs
     the logits of the part already computed, so it starts over (and never reads a cached
