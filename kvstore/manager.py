@@ -153,7 +153,11 @@ class KVCacheManager:
         request.token_ids.extend(streamed)  # known now, computed by the new worker
         extend_hashes(request, bs)
         if request.status is not Status.RUNNING:
-            return self._resume_one(request)
+            try:
+                return self._resume_one(request)
+            except KVError:  # all or nothing: as it was, the streamed tokens not taken on
+                truncate(self.store, request, common, bs)
+                raise
         if streamed:
             self._make_room_for_streamed(request)
         reopen_last_token(self.store, request, bs)

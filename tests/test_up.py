@@ -128,7 +128,7 @@ def test_up_serves_and_stops_on_ctrl_c(tmp_path: Path) -> None:
         submit(redis_url, "up-1", max_tokens=5)
         assert len(wait_final(r, "up-1").sequences[0].token_ids) == 5
         # Ctrl-C while a long request runs: the worker drains it before the stack stops.
-        submit(redis_url, "up-2", max_tokens=300)
+        submit(redis_url, "up-2", max_tokens=500)  # 3 + 500 of 512: outlasts the gateway's stop
         deadline = time.monotonic() + 60
         while not queue_worker.read_streamed(r, "up-2").sequences:
             assert time.monotonic() < deadline, "the worker never started up-2"
@@ -138,7 +138,7 @@ def test_up_serves_and_stops_on_ctrl_c(tmp_path: Path) -> None:
         # The worker drains up-2 and publishes its last record before it exits; Redis stops
         # only after the worker and the kvstore did, so the final record can be read here.
         drained = wait_final(r, "up-2", poll_s=0.02)
-        assert len(drained.sequences[0].token_ids) == 300, "not drained"
+        assert len(drained.sequences[0].token_ids) == 500, "not drained"
     finally:
         if not signalled:
             up.send_signal(signal.SIGINT)

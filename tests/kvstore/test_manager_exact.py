@@ -280,6 +280,22 @@ def test_streamed_tokens_of_an_adopted_swapped_request_get_blocks_past_the_swapp
     m.check_integrity()
 
 
+def test_an_adoption_that_cannot_be_placed_now_changes_no_tokens() -> None:
+    m = manager(3, 4)
+    m.pricing.calibration = SwapCalibration(1024, LinearCost(0.0, 1e-6), LinearCost(0.0, 1e-6))
+    m.pricing.prefill_profiles["w1"] = [(16, 1.0), (1024, 2.0)]
+    m.admit("a", "w1", list(range(20)), None)
+    m.append("a", "w1", [1], 20)
+    assert m.preempt(["a"], "w1", now=1.0)[0] == ["swap"]
+    m.admit("b", "w1", list(range(100, 140)), None)  # the GPU is full
+    m.orphan_worker("w1", now=2.0)
+    with pytest.raises(KVError) as refused:
+        m.adopt("a", "w2", [*range(20), 1, 5, 6])
+    assert refused.value.code == "no_space"
+    assert m.requests["a"].token_ids == [*range(20), 1]  # the streamed ones wait for a retry
+    m.check_integrity()
+
+
 def test_an_orphan_adopted_without_reuse_is_computed_again_in_fresh_blocks() -> None:
     """A request that wants its prompt's logprobs, orphaned mid-prefill: the new worker needs
     the logits of the part already computed, so it starts over (and never reads a cached
