@@ -266,13 +266,19 @@ def test_an_adopted_request_takes_the_tokens_its_dead_worker_streamed_but_never_
     m.check_integrity()
 
 
-def test_streamed_tokens_of_an_adopted_swapped_request_get_blocks_past_the_swapped_ones() -> None:
-    m = manager(10, 10)
+def swapped_out(gpu: int, cpu: int) -> KVCacheManager:
+    """A manager whose request "a" of w1 (21 tokens, 20 computed) is swapped out."""
+    m = manager(gpu, cpu)
     m.pricing.calibration = SwapCalibration(1024, LinearCost(0.0, 1e-6), LinearCost(0.0, 1e-6))
     m.pricing.prefill_profiles["w1"] = [(16, 1.0), (1024, 2.0)]  # recompute is far dearer
     m.admit("a", "w1", list(range(20)), None)
     m.append("a", "w1", [1], 20)
     assert m.preempt(["a"], "w1", now=1.0)[0] == ["swap"]
+    return m
+
+
+def test_streamed_tokens_of_an_adopted_swapped_request_get_blocks_past_the_swapped_ones() -> None:
+    m = swapped_out(10, 10)
     m.orphan_worker("w1", now=2.0)
     placement, plan = m.adopt("a", "w2", [*range(20), 1, *range(100, 112)])  # 33: 3 blocks
     assert len(placement.block_ids) == 3 and len(m.requests["a"].token_ids) == 33
@@ -281,12 +287,7 @@ def test_streamed_tokens_of_an_adopted_swapped_request_get_blocks_past_the_swapp
 
 
 def test_an_adoption_that_cannot_be_placed_now_changes_no_tokens() -> None:
-    m = manager(3, 4)
-    m.pricing.calibration = SwapCalibration(1024, LinearCost(0.0, 1e-6), LinearCost(0.0, 1e-6))
-    m.pricing.prefill_profiles["w1"] = [(16, 1.0), (1024, 2.0)]
-    m.admit("a", "w1", list(range(20)), None)
-    m.append("a", "w1", [1], 20)
-    assert m.preempt(["a"], "w1", now=1.0)[0] == ["swap"]
+    m = swapped_out(3, 4)
     m.admit("b", "w1", list(range(100, 140)), None)  # the GPU is full
     m.orphan_worker("w1", now=2.0)
     with pytest.raises(KVError) as refused:
