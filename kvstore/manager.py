@@ -133,9 +133,7 @@ class KVCacheManager:
             and min(request.num_computed, common) == common
             and must_copy(self.store, last_block)
         )
-        if cdiv(len(token_ids), bs) > self.admission_limit_blocks:  # check before changing
-            raise KVError("too_large", f"{len(token_ids)} tokens of {req_id!r} cannot be held")
-        if request.status is Status.RUNNING and reuse_prefix:
+        if request.status is Status.RUNNING and reuse_prefix:  # check before changing
             kept = min(len(request.block_ids), cdiv(common, bs))
             # streamed tokens: their blocks, and maybe a fresh one where writing resumes
             grows = cdiv(len(token_ids), bs) - kept + 1 if streamed else 0
