@@ -44,8 +44,11 @@ class DeviceBlockTables:
     side, in the order the caller's steps run."""
 
     def __init__(self, rows: int, max_blocks: int, device: torch.device) -> None:
-        self.table = torch.zeros(rows, max_blocks, dtype=torch.int32, device=device)
+        # one more row than assigned: its first entry is the scratch place, where a graph's
+        # padding writes go
+        self.table = torch.zeros(rows + 1, max_blocks, dtype=torch.int32, device=device)
         self.max_blocks = max_blocks
+        self.scratch_place = rows * max_blocks
         self._row_of: dict[Hashable, int] = {}
         self._mirror: list[list[int]] = [[] for _ in range(rows)]  # what each row was given
         self._free = list(range(rows - 1, -1, -1))
@@ -100,4 +103,4 @@ class DeviceBlockTables:
         if writes.numel():
             places, blocks = writes.view(2, -1)
             self.table.view(-1).index_copy_(0, places, blocks.to(torch.int32))
-        out[: rows.numel(), :width].copy_(self.table[rows, :width])
+        out[: rows.numel(), :width].copy_(self.table.index_select(0, rows)[:, :width])

@@ -63,6 +63,12 @@ class Staging:
         self._parity = 0
         self._device = torch.empty(room, dtype=torch.int64, device=device)
 
+    @property
+    def buffer(self) -> torch.Tensor:
+        """The device buffer ``copy`` writes into (its address never changes: a CUDA graph may
+        read it)."""
+        return self._device
+
     def copy(self, values: list[int]) -> torch.Tensor:
         """``values`` on the device ([len(values)] int64, a view of the device buffer valid
         until the next ``copy``'s scatter is enqueued), without waiting for the device except
