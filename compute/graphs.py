@@ -31,7 +31,7 @@ from compute.block_tables import DeviceBlockTables, TableRows
 from compute.transfer import Staging
 
 log = logging.getLogger("pagedserve.compute")
-INPUTS = 6  # rows of a bucket's inputs in the staging buffer (``DecodeGraphs._layout``)
+INPUTS = 6  # rows of a bucket's inputs in the staging buffer (``stage_decode``)
 WRITES = 2  # table writes a bucket's graph makes, per request (more go eagerly)
 
 
@@ -72,7 +72,7 @@ class DecodeGraphs:
         self.fed_tokens = torch.zeros(max_batch, dtype=torch.int64, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.replays = 0  # a counter
-        # a bucket's inputs (``_layout``), then the writes and fed rows that do not fit there
+        # a bucket's inputs (``stage_decode``), then the writes past its room and the fed rows
         self._staging = Staging(max_batch * (INPUTS + 2 * WRITES + 2 * max_blocks + 1), device)
 
     def fits(self, batch: int, width: int) -> bool:
