@@ -13,7 +13,10 @@ transformers' own):
   included), Qwen3's per-head q/k norms, ``kernels.rotary`` (q and k in one kernel, written
   token-major), then the paged attention function directly;
 - every gated SiLU MLP's ``forward`` to ``mlp_forward``: one gate/up product, then
-  ``kernels.silu_mul``.
+  ``kernels.silu_mul``;
+- every decoder layer whose attention and MLP were both rebound to ``decoder_layer_forward``:
+  the two residual adds go into the o and down products (``addmm_`` into the layer's input:
+  cuBLAS adds the product to it in the same kernel), two kernels fewer per layer.
 
 The merged products read one weight made by stacking the separate ones; each original
 ``Linear`` keeps a view of its rows, so nothing is stored twice and the state dict is unchanged.
@@ -32,11 +35,24 @@ from torch.nn import functional
 
 from compute.attention import paged_attention_forward
 
-__all__ = ["Fused", "attention_forward", "fuse_layers", "mlp_forward", "rms_norm_forward"]
+__all__ = [
+    "Fused",
+    "attention_forward",
+    "decoder_layer_forward",
+    "fuse_layers",
+    "mlp_forward",
+    "rms_norm_forward",
+]
 
 FUSED_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
 FUSED_ATTENTIONS = ("LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention")
 FUSED_MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP")
+FUSED_LAYERS = (
+    "LlamaDecoderLayer",
+    "MistralDecoderLayer",
+    "Qwen2DecoderLayer",
+    "Qwen3DecoderLayer",
+)
 
 
 @dataclass(frozen=True)
@@ -46,6 +62,7 @@ class Fused:
     norms: int
     attentions: int
     mlps: int
+    layers: int
 
 
 # ``self`` below is the transformers module the function is bound to (typed Any: its attributes
@@ -68,6 +85,21 @@ def attention_forward(
     """A Llama/Mistral/Qwen2/Qwen3 attention module's forward over the paged pool. hidden_states:
     [1, T, hidden]; position_embeddings: (cos, sin), each [1, T, head_dim]; ``kwargs`` carry
     ``paged`` (``compute.attention.PagedBatch``)."""
+    out = attend(
+        self, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs
+    )
+    return self.o_proj(out), None
+
+
+def attend(
+    self: Any,
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    attention_mask: torch.Tensor | None,
+    past_key_values: object,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """``attention_forward`` up to the o product: [1, T, heads * head_dim]."""
     from kernels import rotary
 
     if past_key_values is not None:
@@ -93,16 +125,53 @@ def attention_forward(
         sliding_window=window,
         **kwargs,
     )
-    return self.o_proj(out.reshape(*hidden_states.shape[:-1], -1)), None
+    return out.reshape(*hidden_states.shape[:-1], -1)
 
 
 def mlp_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
     """down(silu(gate(x)) * up(x)) with gate and up as one product and one activation kernel."""
+    return self.down_proj(gated(self, x))
+
+
+def gated(self: Any, x: torch.Tensor) -> torch.Tensor:
+    """``mlp_forward`` up to the down product: silu(gate(x)) * up(x)."""
     from kernels import silu_mul
 
     gate_up = functional.linear(x, self.gate_up_weight, self.gate_up_bias)
     act = silu_mul(gate_up.reshape(-1, gate_up.shape[-1]))
-    return self.down_proj(act.view(*gate_up.shape[:-1], -1))
+    return act.view(*gate_up.shape[:-1], -1)
+
+
+def decoder_layer_forward(
+    self: Any,
+    hidden_states: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    past_key_values: object = None,
+    use_cache: bool | None = False,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """transformers' pre-norm decoder layer with its attention and MLP rebound (above), the
+    residual adds done by the o and down products. Mutates ``hidden_states`` (the layer's
+    input, which nothing reads after the layer: the paged forward collects no hidden states)
+    and returns it."""
+    assert position_embeddings is not None, "the decoder passes the rotary embedding"
+    attention, mlp = self.self_attn, self.mlp
+    normed = self.input_layernorm(hidden_states)
+    out = attend(attention, normed, position_embeddings, attention_mask, past_key_values, **kwargs)
+    hidden = add_product(hidden_states, out, attention.o_proj)
+    return add_product(hidden, gated(mlp, self.post_attention_layernorm(hidden)), mlp.down_proj)
+
+
+def add_product(residual: torch.Tensor, x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
+    """residual + linear(x): in place, in the product's kernel, where it can be (no bias, a
+    contiguous residual); else out of place."""
+    if linear.bias is not None or not residual.is_contiguous():
+        return residual + linear(x)
+    flat = residual.view(-1, residual.shape[-1])
+    flat.addmm_(x.reshape(-1, x.shape[-1]), linear.weight.t())
+    return residual
 
 
 def fuse_layers(model: torch.nn.Module) -> Fused:
@@ -128,7 +197,24 @@ def fuse_layers(model: torch.nn.Module) -> Fused:
         ):
             module.forward = types.MethodType(mlp_forward, module)
             mlps += 1
-    return Fused(norms, attentions, mlps)
+    layers = 0
+    for module in model.modules():
+        if type(module).__name__ in FUSED_LAYERS and _rebound(module):
+            module.forward = types.MethodType(decoder_layer_forward, module)
+            layers += 1
+    return Fused(norms, attentions, mlps, layers)
+
+
+def _rebound(layer: torch.nn.Module) -> bool:
+    """The layer's attention and MLP run the forwards above, and nothing is hooked on them."""
+    parts = [getattr(layer, "self_attn", None), getattr(layer, "mlp", None)]
+    wanted = (attention_forward, mlp_forward)
+    return all(
+        isinstance(part, torch.nn.Module)
+        and getattr(vars(part).get("forward"), "__func__", None) is function
+        and not (part._forward_hooks or part._forward_pre_hooks)
+        for part, function in zip(parts, wanted, strict=True)
+    )
 
 
 def _merge(module: torch.nn.Module, merged: str, names: tuple[str, ...]) -> bool:

@@ -125,10 +125,11 @@ def load_model(
     if net.device.type == "cuda" and net.dtype in (torch.float16, torch.bfloat16):
         fused = fuse_layers(net)
         log.info(
-            "fused forwards: %d RMSNorm, %d attention and %d MLP modules",
+            "fused forwards: %d RMSNorm, %d attention, %d MLP and %d decoder-layer modules",
             fused.norms,
             fused.attentions,
             fused.mlps,
+            fused.layers,
         )
     params = sum(p.numel() for p in net.parameters())
     log.info(

@@ -22,7 +22,8 @@ def test_fused_forward_gives_transformers_logits(family: str) -> None:
     state = {k: v.clone() for k, v in model.state_dict().items()}
     fused = fuse_layers(model)
     layers = 2
-    assert fused.attentions == fused.mlps == layers
+    assert fused.attentions == fused.mlps == fused.layers == layers
+    assert all("forward" in vars(layer) for layer in model.model.layers)  # adds in the products
     assert fused.norms == 2 * layers + 1 + (2 * layers if family == "qwen3" else 0)
     assert "forward" in vars(model.model.norm) and "forward" not in vars(ref.model.norm)
     after = model.state_dict()  # the projections are views of the merged weights now
