@@ -165,9 +165,10 @@ def decoder_layer_forward(
 
 
 def add_product(residual: torch.Tensor, x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
-    """residual + linear(x): in place, in the product's kernel, where it can be (no bias, a
-    contiguous residual); else out of place."""
-    if linear.bias is not None or not residual.is_contiguous():
+    """residual + linear(x): in place, in the product's kernel, where it can be (a plain
+    ``Linear`` without bias, a contiguous residual); else out of place."""
+    plain = type(linear) is torch.nn.Linear and linear.bias is None
+    if not plain or not residual.is_contiguous():
         return residual + linear(x)
     flat = residual.view(-1, residual.shape[-1])
     flat.addmm_(x.reshape(-1, x.shape[-1]), linear.weight.t())
@@ -176,8 +177,9 @@ def add_product(residual: torch.Tensor, x: torch.Tensor, linear: torch.nn.Linear
 
 def fuse_layers(model: torch.nn.Module) -> Fused:
     """Rebinds the forwards of ``model``'s RMSNorm, attention and gated-MLP modules (classes
-    named in ``FUSED_NORMS`` / ``FUSED_ATTENTIONS`` / ``FUSED_MLPS``); call it once the model is
-    on its device. Mutates those module instances only: their ``forward``, merged weights
+    named in ``FUSED_NORMS`` / ``FUSED_ATTENTIONS`` / ``FUSED_MLPS``), then of the decoder
+    layers (``FUSED_LAYERS``) whose attention and MLP both were; call it once the model is on
+    its device. Mutates those module instances only: their ``forward``, merged weights
     (``qkv_weight``, ``gate_up_weight`` and biases) and their projections' parameters, which
     become views of the merged ones. Modules whose projections mix biased and unbiased ones, or
     an MLP whose activation is not SiLU, keep transformers' forward."""
