@@ -101,6 +101,10 @@ class DeviceBlockTables:
         """Enqueues a ``TableRows``' writes and the gather of its rows into ``out[:len(rows),
         :width]`` (``writes``, ``rows``: its lists on the device, int64)."""
         if writes.numel():
-            places, blocks = writes.view(2, -1)
-            self.table.view(-1).index_copy_(0, places, blocks.to(torch.int32))
+            self.write(*writes.view(2, -1))
         out[: rows.numel(), :width].copy_(self.table.index_select(0, rows)[:, :width])
+
+    def write(self, places: torch.Tensor, blocks: torch.Tensor) -> None:
+        """Enqueues ``table.flat[places] = blocks`` (int64 on the device, as a ``TableRows``'
+        writes are laid out)."""
+        self.table.view(-1).index_copy_(0, places, blocks.to(torch.int32))

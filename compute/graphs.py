@@ -84,10 +84,9 @@ class DecodeGraphs:
     def capture(self) -> None:
         """Captures every bucket, largest first (they share one memory pool)."""
         pool = torch.cuda.graph_pool_handle()
-        empty = TableRows([], [], 0)
+        empty, scratch = TableRows([], [], 0), self.block_tables.scratch_place
         for i, size in enumerate(reversed(self.buckets)):
             # a step of padding only: every index the graph reads is valid while it is captured
-            scratch = self.block_tables.scratch_place
             self._staging.copy(stage_decode(size, [], [], [], empty, [], None, scratch).values)
             self._run(size)  # warm-up outside the graph: compiles kernels, allocates
             torch.cuda.synchronize()
@@ -102,15 +101,15 @@ class DecodeGraphs:
 
     def _run(self, size: int) -> torch.Tensor:
         """The bucket's forward, reading the step from the staging buffer (``stage_decode``)."""
-        table = self.block_tables.table
-        step = unpack_decode(self._staging.buffer, size, table, self.fed_tokens)
+        tables = self.block_tables
+        step = unpack_decode(self._staging.buffer, size, tables, self.fed_tokens)
         paged = PagedBatch(
             slot_mapping=step.slots,
             block_tables=step.tables,
             cu_seqlens_q=self.cu[: size + 1],
             context_lens=step.context_lens,
             max_query_len=1,
-            max_context_len=table.shape[1] * self.block_size,
+            max_context_len=tables.max_blocks * self.block_size,
             pool=self.pool,
             num_decodes=size,
         )
@@ -142,7 +141,7 @@ class DecodeGraphs:
         step = stage_decode(size, ids, positions, slots, table, context_lens, feed_rows, scratch)
         staged = self._staging.copy(step.values + step.extra + step.fed_rows)
         source = feed[0] if feed is not None else None
-        before_replay(staged, step, self.block_tables.table, source, self.fed_tokens)
+        before_replay(staged, step, self.block_tables, source, self.fed_tokens)
 
     def replay(self, batch: int) -> torch.Tensor:
         """Runs the step ``load`` copied in; logits [batch, vocab] (a view into the graph's
@@ -208,7 +207,7 @@ def stage_decode(
 def before_replay(
     staged: torch.Tensor,
     step: StagedDecode,
-    table: torch.Tensor,
+    tables: DeviceBlockTables,
     source: torch.Tensor | None,
     fed_tokens: torch.Tensor,
 ) -> None:
@@ -217,8 +216,7 @@ def before_replay(
     ``step``'s values, extra writes and fed rows, in that order, on the device."""
     start = len(step.values)
     if step.extra:  # new rows: written before the graph's own writes (other places)
-        places, blocks = staged[start : start + len(step.extra)].view(2, -1)
-        table.view(-1).index_copy_(0, places, blocks.to(torch.int32))
+        tables.write(*staged[start : start + len(step.extra)].view(2, -1))
     if step.fed_rows:
         assert source is not None, "fed rows of no source"
         rows = staged[start + len(step.extra) : start + len(step.extra) + len(step.fed_rows)]
@@ -226,17 +224,17 @@ def before_replay(
 
 
 def unpack_decode(
-    staged: torch.Tensor, size: int, table: torch.Tensor, fed_tokens: torch.Tensor
+    staged: torch.Tensor, size: int, tables: DeviceBlockTables, fed_tokens: torch.Tensor
 ) -> DecodeInputs:
     """The ``size`` bucket's inputs from the staging buffer (``stage_decode``'s values at its
-    start); enqueues the step's table writes into ``table`` (the ``DeviceBlockTables``' rows)
-    and the gathers. Device ops only: a graph captures it."""
+    start); enqueues the step's table writes into ``tables`` and the gathers. Device ops only:
+    a graph captures it."""
     ids, positions, slots, context, rows, fed = staged[: INPUTS * size].view(INPUTS, size)
     room = WRITES * size
     places = staged[INPUTS * size : INPUTS * size + room]
     blocks = staged[INPUTS * size + room : INPUTS * size + 2 * room]
-    table.view(-1).index_copy_(0, places, blocks.to(torch.int32))
+    tables.write(places, blocks)
     tokens = torch.where(fed >= 0, fed_tokens.index_select(0, fed.clamp(min=0)), ids)
     return DecodeInputs(
-        tokens, positions, slots, context.to(torch.int32), table.index_select(0, rows)
+        tokens, positions, slots, context.to(torch.int32), tables.table.index_select(0, rows)
     )

@@ -38,8 +38,8 @@ def run_step(
     feed_rows = feed[1] if feed is not None else None
     step = stage_decode(size, ids, positions, slots, plan, context, feed_rows, tables.scratch_place)
     staged = torch.tensor(step.values + step.extra + step.fed_rows, dtype=torch.int64)
-    before_replay(staged, step, tables.table, feed[0] if feed else None, fed_tokens)
-    return unpack_decode(staged, size, tables.table, fed_tokens)
+    before_replay(staged, step, tables, feed[0] if feed else None, fed_tokens)
+    return unpack_decode(staged, size, tables, fed_tokens)
 
 
 def test_a_step_is_laid_out_for_its_bucket_and_read_back_exactly() -> None:
@@ -61,9 +61,9 @@ def test_a_step_is_laid_out_for_its_bucket_and_read_back_exactly() -> None:
     source = torch.tensor([40, 41, 42, 43, 44])  # the step before's draw
     fed_tokens = torch.full((8,), -7, dtype=torch.int64)
     staged = torch.tensor(step.values + step.extra + step.fed_rows)
-    before_replay(staged, step, tables.table, source, fed_tokens)
+    before_replay(staged, step, tables, source, fed_tokens)
     assert fed_tokens[:2].tolist() == [44, 40]
-    inputs = unpack_decode(staged, 4, tables.table, fed_tokens)
+    inputs = unpack_decode(staged, 4, tables, fed_tokens)
     assert inputs.tokens.tolist() == [11, 44, 40, 0]
     assert inputs.positions.tolist() == [5, 6, 7, 0]
     assert inputs.slots.tolist() == [50, 60, 70, -1]
