@@ -125,7 +125,8 @@ class ModelRunner:
 
             compile_variants(pool[:, 0, 0], pool[:, 0, 1], int(config.num_attention_heads))
         self.graphs: DecodeGraphs | None = None
-        max_blocks = -(-config.max_position_embeddings // block_size)
+        # a table holds a slot past its last token (the kvstore's lookahead, ``table_blocks``)
+        max_blocks = config.max_position_embeddings // block_size + 1
         # the graphs' block tables, kept on the device between steps: two rows per sequence a
         # step can hold, so the rows of sequences that left are reclaimed in batches
         rows = 2 * max(cuda_graph_max_batch, min(max_chunks, cuda_graph_max_tokens), 1)

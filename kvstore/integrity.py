@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from kvstore.requests import Status, cdiv
+from kvstore.requests import Status, cdiv, table_blocks
 
 if TYPE_CHECKING:
     from kvstore.manager import KVCacheManager
@@ -23,6 +23,7 @@ def check_integrity(manager: KVCacheManager) -> None:
         assert len(r.contents) == len(r.keys) == len(r.token_ids) // bs, f"{req_id}: hashes"
         needed = cdiv(len(r.token_ids), bs)
         if r.status is Status.RUNNING:
+            needed = table_blocks(len(r.token_ids), bs)
             assert len(r.block_ids) == needed, f"{req_id}: {len(r.block_ids)} blocks, need {needed}"
             assert not r.cpu_block_ids, f"{req_id}: running with CPU blocks"
             assert r.num_registered <= r.num_computed // bs, f"{req_id}: registered uncomputed"

@@ -39,6 +39,7 @@ from kvstore.requests import (
     Status,
     TransferPlan,
     cdiv,
+    table_blocks,
 )
 
 
@@ -134,9 +135,9 @@ class KVCacheManager:
             and must_copy(self.store, last_block)
         )
         if request.status is Status.RUNNING and reuse_prefix:  # check before changing
-            kept = min(len(request.block_ids), cdiv(common, bs))
+            kept = min(len(request.block_ids), table_blocks(common, bs))
             # streamed tokens: their blocks, and maybe a fresh one where writing resumes
-            grows = cdiv(len(token_ids), bs) - kept + 1 if streamed else 0
+            grows = table_blocks(len(token_ids), bs) - kept + 1 if streamed else 0
             needed = int(reopens_in_a_fresh_block) + grows
             if needed > self.pool.num_available:
                 raise KVError("no_space", f"no {needed} blocks to take {req_id!r} over")
@@ -170,7 +171,7 @@ class KVCacheManager:
         starts writing (a shared or registered one is replaced, its tokens computed again).
         The caller checked that the pool has the blocks."""
         bs, table = self.block_size, request.block_ids
-        table.extend(self.store.allocate(cdiv(len(request.token_ids), bs) - len(table)))
+        table.extend(self.store.allocate(table_blocks(len(request.token_ids), bs) - len(table)))
         first = request.num_computed // bs  # the first block the new worker writes
         if first < len(table) and must_copy(self.store, table[first]):
             [fresh] = self.store.allocate(1)
@@ -190,7 +191,7 @@ class KVCacheManager:
         Raises ``too_large`` if the request can never be placed, ``no_space`` if not now. Only
         an admission (``record``) may load prefix blocks back from the CPU tier."""
         bs, num_tokens = self.block_size, len(request.token_ids)
-        total = cdiv(num_tokens, bs)
+        total = table_blocks(num_tokens, bs)
         if total > self.admission_limit_blocks:
             raise KVError(
                 "too_large",
@@ -300,7 +301,7 @@ class KVCacheManager:
                 f"num_computed {num_computed} outside [{request.num_computed}, "
                 f"{len(tokens) + len(new_token_ids)}] for {req_id!r}",
             )
-        blocks_needed = -(-(len(tokens) + len(new_token_ids)) // bs)
+        blocks_needed = table_blocks(len(tokens) + len(new_token_ids), bs)
         last = min(blocks_needed, len(table))
         to_copy = [i for i in range(num_computed // bs, last) if must_copy(self.store, table[i])]
         grow = blocks_needed - len(table)
@@ -334,9 +335,9 @@ class KVCacheManager:
     ) -> list[int]:
         """The decode step's bulk: one token for each request, in a tight loop. Applies every
         item that takes the common path (its token goes into the request's last block, which it
-        owns alone, every earlier token computed) and returns the indices of the others, left
-        untouched, for the general ``append`` (a new block, a copy-on-write, a block to register,
-        an error)."""
+        owns alone and does not fill, every earlier token computed) and returns the indices of
+        the others, left untouched, for the general ``append`` (a new block, a full block to
+        hash, a copy-on-write, a block to register, an error)."""
         requests, bs, running = self.requests, self.block_size, Status.RUNNING
         refs, cached = self.pool.ref_counts, self.pool.cached
         general: list[int] = []
@@ -352,7 +353,7 @@ class KVCacheManager:
             last = r.block_ids[-1]
             if (
                 computed != n
-                or n % bs == 0
+                or (n + 1) % bs == 0
                 or n // bs != r.num_registered
                 or refs[last] > 1
                 or cached[last]
@@ -361,8 +362,6 @@ class KVCacheManager:
                 continue
             tokens.append(token)
             r.num_computed = n
-            if (n + 1) % bs == 0:  # the last block is full of known tokens now: hash it
-                extend_hashes(r, self.block_size)
         return general
 
     def fork(self, parent_id: str, worker: str, child_id: str) -> Placement:
@@ -408,7 +407,9 @@ class KVCacheManager:
         return [self._preempt_one(victim, now, plan) for victim in victims], plan
 
     def _preempt_one(self, request: Request, now: float, plan: TransferPlan) -> Mode:
-        blocks = request.block_ids
+        """Swaps out the blocks that hold tokens (not the lookahead slot past them), or drops
+        them all."""
+        blocks = request.block_ids[: cdiv(len(request.token_ids), self.block_size)]
         choice = self.pricing.preempt(
             request.worker,
             len(blocks),
@@ -428,7 +429,7 @@ class KVCacheManager:
         else:
             request.status = Status.DROPPED
             request.num_computed = 0
-        self.pool.release(blocks)
+        self.pool.release(request.block_ids)
         request.block_ids = []
         request.num_registered = 0
         return "swap" if choice.mode == "swap" else "recompute"

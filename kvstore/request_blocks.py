@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from kvstore.block_store import BlockStore
 from kvstore.prefix_index import content_hash, index_key
-from kvstore.requests import KVError, Request, Status, cdiv
+from kvstore.requests import KVError, Request, Status, cdiv, table_blocks
 
 
 def must_copy(store: BlockStore, block: int) -> bool:
@@ -59,10 +59,13 @@ def reopen_last_token(store: BlockStore, request: Request, block_size: int) -> N
 
 
 def truncate(store: BlockStore, request: Request, length: int, block_size: int) -> None:
-    """Forgets tokens past ``length`` and the blocks (GPU or CPU) no longer needed."""
+    """Forgets tokens past ``length`` and the blocks (GPU or CPU) no longer needed (a running
+    request keeps its lookahead slot, ``table_blocks``)."""
     if length >= len(request.token_ids):
         return
     keep_blocks = cdiv(length, block_size)
+    if request.status is Status.RUNNING:
+        keep_blocks = table_blocks(length, block_size)
     del request.token_ids[length:]
     del request.contents[length // block_size :]
     del request.keys[length // block_size :]

@@ -76,3 +76,11 @@ class TransferPlan:
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def table_blocks(num_tokens: int, block_size: int) -> int:
+    """The blocks a running request's table holds: the slots of its ``num_tokens`` known tokens
+    and of the next one (lookahead). A worker feeds the token it samples to its next step from
+    the device, before it reports it; its slot must be in the table already, also when it
+    begins a block, so that no sequence waits a step at every block boundary."""
+    return (num_tokens + block_size) // block_size

@@ -144,11 +144,16 @@ def test_fork_copies_a_shared_partial_block_exactly_when_written() -> None:
     assert [m.pool.ref_counts[b] for b in (0, 1)] == [4, 4]
     assert m.pool.num_used == 6
     m.check_integrity()
-    m.admit("q", "w", list(range(48)), None)  # 3 full blocks, block 2 not yet cached
+    # 48 tokens: p's cached blocks 0 and 1, block 6, and the lookahead block 7, the next
+    # token's. The fork shares it too, so the first write into it copies it; the table needs
+    # no new block for that token.
+    assert m.admit("q", "w", list(range(48)), None).block_ids == [0, 1, 6, 7]
     m.append("q", "w", [], 48)
     m.fork("q", "w", "q1")
     growth = m.append("q", "w", [9], 48)
-    assert growth.copies == [] and len(growth.new_block_ids) == 1
+    assert growth.copies == [(3, 7, 8)] and growth.new_block_ids == []
+    # The token that fills block 3 brings the next lookahead block.
+    assert m.append("q", "w", list(range(15)), 49).new_block_ids == [9]
     m.check_integrity()
 
 
@@ -167,10 +172,10 @@ def test_salted_requests_never_share() -> None:
 
 
 def test_miss_reasons_no_entry_and_evicted() -> None:
-    m = manager(4)
-    m.admit("a", "w", list(range(64)), None)
+    m = manager(5)
+    m.admit("a", "w", list(range(64)), None)  # four full blocks and the lookahead block
     m.append("a", "w", [], 64)
-    m.free("a", "w")  # four cached blocks in the LRU
+    m.free("a", "w")  # four cached blocks in the LRU, one free
     m.admit("x", "w", list(range(1000, 1064)), None)  # evicts all four
     m.free("x", "w")
     assert m.admit("b", "w", list(range(64)), None).num_cached_tokens == 0
@@ -187,6 +192,35 @@ def test_no_space_is_all_or_nothing() -> None:
     with pytest.raises(KVError) as err:
         m.append("a", "w", list(range(9)), 0)
     assert err.value.code == "no_space" and len(m.requests["a"].token_ids) == 40
+    m.check_integrity()
+
+
+def test_a_running_table_holds_the_slot_of_the_next_token() -> None:
+    """The lookahead slot: a worker computes the token it samples before reporting it, so the
+    table always reaches one slot past the last known token; a swap moves only the blocks that
+    hold tokens."""
+    m = manager(8, 8)
+    m.pricing.calibration = SwapCalibration(1024, LinearCost(0.0, 1e-6), LinearCost(0.0, 1e-6))
+    m.pricing.prefill_profiles["w"] = [(16, 1.0), (1024, 2.0)]  # recompute is far dearer
+    assert m.admit("a", "w", list(range(32)), None).block_ids == [0, 1, 2]  # 2 full, 1 ahead
+    m.append("a", "w", [], 32)
+    assert m.append_tokens("w", ["a"], [7], [32]) == []  # in the lookahead block: no growth
+    assert m.requests["a"].block_ids == [0, 1, 2]
+    m.append("a", "w", list(range(14)), 33)  # 47 tokens: block 2 one token short of full
+    assert m.append_tokens("w", ["a"], [7], [47]) == [0]  # fills block 2: the general path
+    growth = m.append("a", "w", [7], 48)  # computed before it was reported (fed)
+    assert growth.new_block_ids == [3] and growth.copies == []
+    assert m.requests["a"].block_ids == [0, 1, 2, 3] and len(m.requests["a"].keys) == 3
+    m.check_integrity()
+    modes, plan = m.preempt(["a"], "w", now=1.0)
+    assert modes == ["swap"] and plan.swap_out == [(0, 0), (1, 1), (2, 2)]  # not block 3
+    assert m.pool.num_used == 0 and m.cpu.num_free == 5
+    m.check_integrity()
+    # Blocks 0 and 1 are cached still; block 2 holds the last token, whose logits the worker
+    # needs, so it comes back from the CPU into a fresh block 4; 5 is the lookahead.
+    placement, plan = m.resume("a", "w")
+    assert placement.block_ids == [0, 1, 4, 5] and plan.swap_in == [(2, 4)]
+    assert placement.num_computed == 47
     m.check_integrity()
 
 
@@ -349,21 +383,21 @@ def test_reset_prefix_cache_frees_idle_cached_blocks() -> None:
     m.admit("b", "w", list(range(1000, 1032)), None)
     m.append("b", "w", [], 32)
     m.free("a", "w")
-    assert m.pool.num_cached_free == 3
+    assert m.pool.num_cached_free == 3  # a's full blocks (not its lookahead block)
     assert m.reset_prefix_cache() == 5
-    assert m.pool.num_cached_free == 0 and m.pool.num_free == 8 and len(m.index) == 0
+    assert m.pool.num_cached_free == 0 and m.pool.num_free == 7 and len(m.index) == 0
     assert m.admit("c", "w", list(range(48)), None).num_cached_tokens == 0
     m.check_integrity()
 
 
 def test_admission_leaves_the_watermark_for_running_requests() -> None:
     m = KVCacheManager(100, 0, 16, watermark=0.05)  # 5 blocks kept for growth
-    m.admit("a", "w", list(range(16 * 90)), None)  # 90 blocks: 10 left
+    m.admit("a", "w", list(range(16 * 90 - 1)), None)  # 90 blocks (the last is half lookahead)
     with pytest.raises(KVError, match="watermark") as err:
-        m.admit("b", "w", list(range(5000, 5000 + 16 * 6)), None)  # 6 > 10 - 5
+        m.admit("b", "w", list(range(5000, 5000 + 16 * 6 - 1)), None)  # 6 > 10 - 5
     assert err.value.code == "no_space"
-    m.admit("c", "w", list(range(6000, 6000 + 16 * 5)), None)  # exactly up to the watermark
-    m.append("a", "w", list(range(16 * 5)), 16 * 90)  # a running request grows into it
+    m.admit("c", "w", list(range(6000, 6000 + 16 * 5 - 1)), None)  # up to the watermark
+    m.append("a", "w", list(range(16 * 5)), 16 * 90 - 1)  # a running request grows into it
     assert m.pool.num_available == 0
     m.check_integrity()
 
@@ -386,9 +420,9 @@ def test_step_order_running_requests_grow_before_admissions() -> None:
 
     service = KVService(KVCacheManager(3, 0, 16), NoMoves(), 60, 60)
     service.handle(p.Register("w"))
-    service.handle(p.Step("w", admits=[p.AdmitItem("a", list(range(32)))]))  # 2 blocks
-    reply = service.handle(
-        p.Step("w", admits=[p.AdmitItem("b", [1, 2])], appends=[p.AppendItem("a", [7], 32)])
+    service.handle(p.Step("w", admits=[p.AdmitItem("a", list(range(31)))]))  # 2 blocks
+    reply = service.handle(  # a's 32nd token fills block 2: it needs the next lookahead block
+        p.Step("w", admits=[p.AdmitItem("b", [1, 2])], appends=[p.AppendItem("a", [7], 31)])
     )
     assert isinstance(reply, p.StepReply)
     assert [g.req_id for g in reply.appended] == ["a"]

@@ -141,7 +141,9 @@ class KVMachine(RuleBasedStateMachine):
     def fed_decode(self, data: st.DataObject, token: int) -> None:
         """The overlapped worker's decode: a sampled token, still unknown to the kvstore, is
         computed into the next slot of its table (only when the slot exists and its block is
-        the request's alone: the worker feeds nothing else), then reported with its KV."""
+        the request's alone: the worker feeds nothing else), then reported with its KV. The
+        report fails, changing nothing, when no block is left for the slot after it (the
+        worker then preempts a request and reports again)."""
         req_id = data.draw(st.sampled_from(self._running()))
         r = self.m.requests[req_id]
         position = len(r.token_ids)
@@ -151,7 +153,13 @@ class KVMachine(RuleBasedStateMachine):
         if self.m.pool.ref_counts[block] > 1 or self.m.pool.cached[block]:
             return
         self.gpu[block][position % BS] = token
-        growth = self.m.append(req_id, r.worker, [token], position + 1)
+        before = (list(r.token_ids), list(r.block_ids), self.m.pool.num_available)
+        try:
+            growth = self.m.append(req_id, r.worker, [token], position + 1)
+        except KVError as err:
+            assert err.code == "no_space" and (position + 1) % BS == 0
+            assert (r.token_ids, r.block_ids, self.m.pool.num_available) == before
+            return
         assert not growth.copies  # its block was its own
         self._run(TransferPlan())
         self._poison(growth.new_block_ids)
