@@ -235,8 +235,8 @@ def timelines(url: str) -> dict[str, Any]:
 
 def timeline_delta(before: dict[str, Any], after: dict[str, Any]) -> str:
     """Steps, tokens, device and host ms per phase between two ``timelines`` (the engines
-    send their totals about once a second: the last second of the run may be missing, and
-    steps of an idle engine after it count, their ``redis_in`` waiting for requests)."""
+    send their totals about once a second: the last second of the run may be missing; an idle
+    engine's waits for requests are neither steps nor in a phase)."""
     parts = []
     for worker, end in after.items():
         start = before.get(worker) or {"steps": 0, "tokens": 0, "device_s": 0.0, "phase_s": {}}

@@ -110,11 +110,12 @@ class Engine:
         self._decode = output_decoder(tokenizer)
         self.eos_ids = {eos} if isinstance(eos, int) else set(eos or [])
         self.accepting = True  # takes new requests from Redis
-        # host seconds per phase of step(): redis_in (incl. waiting for requests), launch (plan,
-        # pack, enqueue the forward and the draw), process (waiting for the device, then the
-        # tokens' host work), kvstore, redis_out (handing the records to the publisher)
+        # host seconds per phase of step(): redis_in (taking requests), launch (plan, pack,
+        # enqueue the forward and the draw), process (waiting for the device, then the tokens'
+        # host work), kvstore, redis_out (handing the records to the publisher)
         self.phase_s: dict[str, float] = defaultdict(float)
-        self.steps = 0  # a counter
+        self.idle_s = 0.0  # an idle engine waiting for requests (in no phase), a counter
+        self.steps = 0  # turns of step() that had work (an idle wait is not a step), a counter
         self._timeline_sent_at = 0.0
         self.publisher = Publisher(r, worker_id)
         self.runner: ModelRunner | None = None
@@ -236,8 +237,14 @@ class Engine:
         the new one), sends one kvstore Step, writes one pipelined Redis batch, and applies the
         kvstore's reply."""
         clock = time.perf_counter()
-        self._take_requests(block_ms if self.idle else None)
-        clock = self._phase("redis_in", clock)
+        waits = self.idle  # nothing in hand: the read may wait for a request
+        self._take_requests(block_ms if waits else None)
+        if waits:
+            now = time.perf_counter()
+            self.idle_s += now - clock
+            clock = now
+        else:
+            clock = self._phase("redis_in", clock)
         model = self.model_step
         launched = model.launch()
         clock = self._phase("launch", clock)
@@ -274,8 +281,10 @@ class Engine:
                 if req_id in active:
                     self._end(active[req_id], "abort")
             self._end_orphans(found.checked.gateways_gone)
-        self.steps += 1
-        return bool(self.active or records or self._incoming) or model.inflight is not None
+        worked = bool(self.active or records or self._incoming) or model.inflight is not None
+        if worked:
+            self.steps += 1
+        return worked
 
     def _end_orphans(self, missing: set[str]) -> None:
         """Ends the requests of the gateways whose liveness key has been missing for

@@ -3,14 +3,28 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
+import redis
 
+from compute.engine import Engine
 from compute.models import FAMILIES, byte_tokenizer, tiny_family_config
-from contracts.records import SamplingParams, Streamed
+from compute.scheduler import SchedulerConfig
+from contracts import queue_worker
+from contracts.records import RequestRecord, SamplingParams, Streamed
+from kvstore.client import KVClient
 from tests.compute.driver import generate_greedy, paged_model, reference_model
-from tests.compute.serving import BLOCK_BYTES, kill_and_take_over, prompts_of, run_engine
+from tests.compute.serving import (
+    BLOCK_BYTES,
+    PROFILE,
+    kill_and_take_over,
+    prompts_of,
+    run_engine,
+    submit,
+)
+from tests.conftest import start_kvstore, stop_process
 
 
 def test_greedy_through_kvstore_and_redis_equals_generate(redis_url: str, tiny: tuple) -> None:
@@ -161,3 +175,29 @@ def test_a_dead_workers_request_is_finished_by_another_without_prefilling_again(
 def tokens_of(streamed: Streamed, index: int) -> list[int]:
     sequence = streamed.sequences.get(index)
     return sequence.token_ids if sequence else []
+
+
+def test_an_idle_engines_waits_are_not_steps_and_in_no_phase(redis_url: str, tiny: tuple) -> None:
+    """The step timeline (``Engine.steps``, ``phase_s``) counts turns that had work: an idle
+    engine's waits for requests go to ``idle_s`` only, so the per-step figures of a worker that
+    idled between bursts are those of its busy steps."""
+    model, tokenizer, _ = tiny
+    process, endpoint = start_kvstore("--model", "tiny", "--dtype", "float32")
+    try:
+        r = redis.Redis.from_url(redis_url)
+        r.flushdb()
+        with KVClient(endpoint) as kv:
+            engine = Engine("w-idle", model, tokenizer, kv, r, SchedulerConfig(4, 64), PROFILE)
+            for _ in range(3):
+                assert not engine.step(block_ms=30)
+            assert engine.steps == 0 and engine.idle_s >= 0.08
+            assert engine.phase_s["redis_in"] < 0.03 and sum(engine.phase_s.values()) < 0.05
+            greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+            submit(redis_url, [RequestRecord("r0", [5, 6, 7], greedy, "tiny")])
+            deadline = time.monotonic() + 60
+            while not queue_worker.read_streamed(r, "r0").final and time.monotonic() < deadline:
+                engine.step(block_ms=30)
+            assert queue_worker.read_streamed(r, "r0").sequences[0].token_ids
+            assert 2 <= engine.steps <= 10 and engine.phase_s["launch"] > 0
+    finally:
+        stop_process(process)

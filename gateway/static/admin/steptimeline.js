@@ -14,7 +14,7 @@ window.PagedserveTimeline = (() => {
     redis_out: "#8e5bd6", device: "#17323f", other: "#c9ced8",
   };
   const HELP = {
-    redis_in: "taking requests from Redis (when nothing runs: waiting up to 100 ms for one)",
+    redis_in: "taking requests from Redis (an idle engine's wait for them is not a step)",
     launch: "planning the step and enqueueing its forward and sampling (plan · forward · draw)",
     process: "waiting for the device (wait), then the tokens' host work",
     kvstore: "the step's kvstore call: sending it and applying the reply",
@@ -231,9 +231,8 @@ window.PagedserveTimeline = (() => {
       ctx.fillStyle = "#eef1f6"; ctx.fillRect(0, 0, W, H);
       const recent = this.history.filter((w) => w.at > now - HISTORY_S);
       const busy = recent.filter((w) => w.busy);
-      // the scale: the tallest column, or twice the median one when that is lower (a window that
-      // mixed busy and idle steps counts the idle ones' waits in redis_in): taller ones are cut,
-      // with a dark cap
+      // the scale: the tallest column, or twice the median one when that is lower (a window with
+      // a few slow steps, a burst's eager prefills): taller ones are cut, with a dark cap
       const heights = busy.map((w) => Math.max(w.hostMs, w.deviceMs)).sort((a, b) => a - b);
       const median = heights.length ? heights[Math.floor(heights.length / 2)] : 0;
       const peak = Math.max(1e-6, Math.min(heights[heights.length - 1] || 0, 2 * median));
