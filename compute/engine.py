@@ -112,7 +112,8 @@ class Engine:
         self.accepting = True  # takes new requests from Redis
         # host seconds per phase of step(): redis_in (taking requests), launch (plan, pack,
         # enqueue the forward and the draw), process (waiting for the device, then the tokens'
-        # host work), kvstore, redis_out (handing the records to the publisher)
+        # host work), kvstore (sending the Step, waiting for its reply: kv_wait, applying it),
+        # redis_out (handing the records to the publisher)
         self.phase_s: dict[str, float] = defaultdict(float)
         self.idle_s = 0.0  # an idle engine waiting for requests (in no phase), a counter
         self.steps = 0  # turns of step() that had work (an idle wait is not a step), a counter
@@ -272,7 +273,9 @@ class Engine:
         read = room if busy and self.accepting else 0
         self.publisher.submit(records, acks, list(active), self.requests.gateways(), read)
         clock = self._phase("redis_out", clock)  # while the kvstore works on the Step
-        for refusal in {id(r.active): r for r in self.kvsync.receive(sent)}.values():
+        reply = self.kvsync.receive(sent)
+        self.phase_s["kv_wait"] += time.perf_counter() - clock  # inside kvstore, like wait
+        for refusal in {id(r.active): r for r in self.kvsync.apply(sent, reply)}.values():
             log.error("request %s failed: %s", refusal.active.record.req_id, refusal.message)
             self._end(refusal.active, "error", refusal.message)
         self._phase("kvstore", clock)

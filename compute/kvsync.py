@@ -104,10 +104,14 @@ class KVSync:
         self.timeline = None
         return Sent(body, self.kv.send(body), reporting)
 
-    def receive(self, sent: Sent) -> list[Refusal]:
-        """Waits for the reply to ``sent`` and applies it (see ``_apply``)."""
+    def receive(self, sent: Sent) -> p.StepReply:
+        """Waits for the reply to ``sent``; ``apply`` takes it in."""
         reply = self.kv.receive(sent.body, sent.call_id)
         assert isinstance(reply, p.StepReply)
+        return reply
+
+    def apply(self, sent: Sent, reply: p.StepReply) -> list[Refusal]:
+        """Takes in the reply to ``sent`` (see ``_apply``); returns the refused requests."""
         return self._apply(reply, sent.reporting)
 
     def call(self, body: p.Step) -> p.StepReply:

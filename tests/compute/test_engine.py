@@ -180,7 +180,8 @@ def tokens_of(streamed: Streamed, index: int) -> list[int]:
 def test_an_idle_engines_waits_are_not_steps_and_in_no_phase(redis_url: str, tiny: tuple) -> None:
     """The step timeline (``Engine.steps``, ``phase_s``) counts turns that had work: an idle
     engine's waits for requests go to ``idle_s`` only, so the per-step figures of a worker that
-    idled between bursts are those of its busy steps."""
+    idled between bursts are those of its busy steps. The kvstore phase shows its wait for the
+    reply as a part (``kv_wait``)."""
     model, tokenizer, _ = tiny
     process, endpoint = start_kvstore("--model", "tiny", "--dtype", "float32")
     try:
@@ -199,5 +200,6 @@ def test_an_idle_engines_waits_are_not_steps_and_in_no_phase(redis_url: str, tin
                 engine.step(block_ms=30)
             assert queue_worker.read_streamed(r, "r0").sequences[0].token_ids
             assert 2 <= engine.steps <= 10 and engine.phase_s["launch"] > 0
+            assert 0 < engine.phase_s["kv_wait"] < engine.phase_s["kvstore"]  # a part of it
     finally:
         stop_process(process)

@@ -8,7 +8,9 @@
 window.PagedserveTimeline = (() => {
   // the engine's top-level phases, in step order (compute/engine.py); the others are parts of one
   const PHASES = ["redis_in", "launch", "process", "kvstore", "redis_out"];
-  const PART_OF = { plan: "launch", forward: "launch", draw: "launch", wait: "process" };
+  const PART_OF = {
+    plan: "launch", forward: "launch", draw: "launch", wait: "process", kv_wait: "kvstore",
+  };
   const COLORS = {
     redis_in: "#9aa6b8", launch: "#2f6fde", process: "#1f9d55", kvstore: "#e08a1e",
     redis_out: "#8e5bd6", device: "#17323f", other: "#c9ced8",
@@ -17,7 +19,7 @@ window.PagedserveTimeline = (() => {
     redis_in: "taking requests from Redis (an idle engine's wait for them is not a step)",
     launch: "planning the step and enqueueing its forward and sampling (plan · forward · draw)",
     process: "waiting for the device (wait), then the tokens' host work",
-    kvstore: "the step's kvstore call: sending it and applying the reply",
+    kvstore: "the step's kvstore call: sending it, waiting for the reply (kv_wait), applying it",
     redis_out: "handing the output records to the publisher",
     device: "the step's device work, from CUDA events (not measured on CPU); it overlaps the host phases",
   };
