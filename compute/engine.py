@@ -7,13 +7,16 @@ One step (single-threaded), with the device's work overlapped by the host's
    on the device; decodes whose last token is still on the device are fed from it);
 3. process the step launched before (its ids, stop checks and detokenization, forks, ends);
 4. send one kvstore ``Step`` (``compute.kvsync``): free finished sequences, report every
-   running sequence's new tokens and computed count, resume/admit what fits;
+   running sequence's new tokens and computed count, resume/admit what fits; its reply is
+   taken in at the next turn, right after the launch of step 2 (the daemon works on it
+   meanwhile; the tables' two lookahead slots let that launch feed two tokens ahead);
 5. hand the deltas, acks, abort/gateway checks and a read of new requests (as many as there is
    room for) to Redis as one pipelined batch (``compute.publisher``; the replies are read a
    step later, and the requests read are taken at step 1 of the next step: a busy engine never
    waits for Redis to hand it requests);
-6. apply the kvstore's reply; when it has no block for a running sequence, preempt the latest
-   arrival (the kvstore's cost model picks swap or recompute) and retry, one more round trip.
+6. (next turn, after 2) apply the kvstore's reply; when it has no block for a running sequence,
+   preempt the latest arrival (the kvstore's cost model picks swap or recompute) and retry, one
+   more round trip.
 
 ``n > 1``: a request's first sampling row draws n tokens (one seeded stream per branch); the
 branches beyond the first are forked from it at the kvstore in the same step (the prompt's blocks
@@ -43,13 +46,14 @@ import logging
 import os
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 
 import redis
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from compute.grammar import GrammarError, Grammars
-from compute.kvsync import Diverged, KVSync
+from compute.kvsync import Diverged, KVSync, Sent
 from compute.model_step import ModelStep
 from compute.profile import RecomputeProfile
 from compute.publisher import Publisher
@@ -145,6 +149,7 @@ class Engine:
             self.scheduler, self._decode, self.eos_ids, self.worker_id, self.grammars
         )
         self.kvsync = KVSync(self.kv, self.worker_id, self.requests)
+        self._sent: Sent | None = None  # the last Step, its reply taken in after the next launch
         assert self.runner is not None
         self.model_step = ModelStep(
             self.runner, self.requests, self.kvsync, self._decode, self.phase_s
@@ -191,6 +196,9 @@ class Engine:
         and the kvstore hold it) and connects again, retrying with backoff until it works
         (True) or ``stop()`` (False)."""
         log.warning("worker %s lost the kvstore or Redis (%s); rebuilding", self.worker_id, error)
+        if self._sent is not None:  # its reply is not waited for: the state is rebuilt
+            self.kv.forget(self._sent.call_id)
+            self._sent = None
         self.model_step.drop()
         self._drain_publisher()
         delay = 0.25
@@ -227,6 +235,12 @@ class Engine:
         )
 
     @property
+    def unanswered_reports(self) -> Mapping[str, int]:
+        """Sequences the last Step reported, whose reply is not applied yet -> the token count
+        it told the kvstore (a frozen view: tests compare it with the kvstore's)."""
+        return MappingProxyType(self._sent.reporting if self._sent is not None else {})
+
+    @property
     def tokens_computed(self) -> int:
         """Tokens run through the model (prefill + decode) by this state, a counter."""
         return self.model_step.tokens_computed
@@ -234,9 +248,9 @@ class Engine:
     # ------------------------------------------------------------------ the loop
     def step(self, block_ms: int | None = None) -> bool:
         """One engine step; False when there was nothing to do. Launches the next model step,
-        then processes the one launched before (its host work overlaps the device's work on
-        the new one), sends one kvstore Step, writes one pipelined Redis batch, and applies the
-        kvstore's reply."""
+        applies the kvstore's reply to the last turn's Step, processes the step launched before
+        (its host work overlaps the device's work on the new one), sends one kvstore Step and
+        writes one pipelined Redis batch."""
         clock = time.perf_counter()
         waits = self.idle  # nothing in hand: the read may wait for a request
         self._take_requests(block_ms if waits else None)
@@ -250,17 +264,20 @@ class Engine:
         launched = model.launch()
         clock = self._phase("launch", clock)
         earlier, model.inflight = model.inflight, launched
+        if launched is not None and not launched.sync:
+            clock = self._take_reply(clock)  # the kvstore answered while the step was launched
         outputs = [model.process(earlier)] if earlier is not None else []
         if launched is not None and launched.sync:
             model.inflight = None
             outputs.append(model.process(launched))
         clock = self._phase("process", clock)
+        clock = self._take_reply(clock)  # nothing launched (or a forking step): after process
         if clock - self._timeline_sent_at >= TIMELINE_EVERY_S:  # the admin page's step timeline
             self._timeline_sent_at = clock
             self.kvsync.timeline = p.StepTimeline(
                 self.steps, model.tokens_computed, model.device_s, dict(self.phase_s)
             )
-        sent = self.kvsync.send({seq_id for out in outputs for seq_id in out.computed})
+        self._sent = self.kvsync.send({seq_id for out in outputs for seq_id in out.computed})
         clock = self._phase("kvstore", clock)
         records = [record for out in outputs for record in out.records] + self._finals
         acks = [a.entry_id for out in outputs for a in out.done] + self._acks
@@ -272,13 +289,7 @@ class Engine:
         room = self.config.max_num_seqs - len(active) - len(self._incoming)
         read = room if busy and self.accepting else 0
         self.publisher.submit(records, acks, list(active), self.requests.gateways(), read)
-        clock = self._phase("redis_out", clock)  # while the kvstore works on the Step
-        reply = self.kvsync.receive(sent)
-        self.phase_s["kv_wait"] += time.perf_counter() - clock  # inside kvstore, like wait
-        for refusal in {id(r.active): r for r in self.kvsync.apply(sent, reply)}.values():
-            log.error("request %s failed: %s", refusal.active.record.req_id, refusal.message)
-            self._end(refusal.active, "error", refusal.message)
-        self._phase("kvstore", clock)
+        self._phase("redis_out", clock)
         if found.checked is not None:
             for req_id in found.checked.aborted:
                 if req_id in active:
@@ -288,6 +299,20 @@ class Engine:
         if worked:
             self.steps += 1
         return worked
+
+    def _take_reply(self, clock: float) -> float:
+        """Receives and applies the reply to the last Step, if not done yet. After a launch
+        (``model.inflight`` the launched step, so a preemption waits for it and a refusal's
+        frees wait until it is processed), or with nothing on the device."""
+        if self._sent is None:
+            return clock
+        sent, self._sent = self._sent, None
+        reply = self.kvsync.receive(sent)
+        self.phase_s["kv_wait"] += time.perf_counter() - clock  # inside kvstore, like wait
+        for refusal in {id(r.active): r for r in self.kvsync.apply(sent, reply)}.values():
+            log.error("request %s failed: %s", refusal.active.record.req_id, refusal.message)
+            self._end(refusal.active, "error", refusal.message)
+        return self._phase("kvstore", clock)
 
     def _end_orphans(self, missing: set[str]) -> None:
         """Ends the requests of the gateways whose liveness key has been missing for

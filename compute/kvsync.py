@@ -47,7 +47,11 @@ class Sent:
 
     body: p.Step
     call_id: int
-    reporting: list[str]  # sequences whose unreported tokens it reports
+    reporting: dict[str, int]  # sequences whose unreported tokens it reports -> their count
+    # the scheduler's sequences when it was sent: one that left before the reply (ended,
+    # aborted, taken over) is not the scheduler's any more, and the reply's items about it
+    # are dropped
+    seqs: dict[str, Sequence]
 
 
 @dataclass
@@ -68,7 +72,9 @@ class KVSync:
         """Sends the step's forks and frees, reports the progress of every running sequence
         ``computed`` this step or holding unreported tokens (decodes as one columnar
         TokenBatch), resumes and admits what the scheduler places. Returns without waiting
-        for the reply; ``receive`` applies it (nothing may change the scheduler in between)."""
+        for the reply (``receive``, then ``apply``). Until then the engine may launch a step
+        (which feeds tokens into the lookahead slots of the tables it has), process one
+        (tokens sampled meanwhile stay unreported) and end requests; it sends no other Step."""
         scheduler = self.requests.scheduler
         forks = [p.ForkItem(parent, children) for parent, children in self.forks.items()]
         frees, self.forks, self.frees = self.frees, {}, []
@@ -89,7 +95,8 @@ class KVSync:
             else None
         )
         to_place = scheduler.to_place()
-        reporting = [s.seq_id for s in decodes] + [a.req_id for a in appends]
+        reporting = {s.seq_id: len(s.token_ids) for s in decodes}
+        reporting.update((a.req_id, len(scheduler.seqs[a.req_id].token_ids)) for a in appends)
         body = p.Step(
             self.worker_id,
             frees=frees,
@@ -102,7 +109,7 @@ class KVSync:
             timeline=self.timeline,
         )
         self.timeline = None
-        return Sent(body, self.kv.send(body), reporting)
+        return Sent(body, self.kv.send(body), reporting, dict(scheduler.seqs))
 
     def receive(self, sent: Sent) -> p.StepReply:
         """Waits for the reply to ``sent``; ``apply`` takes it in."""
@@ -112,7 +119,7 @@ class KVSync:
 
     def apply(self, sent: Sent, reply: p.StepReply) -> list[Refusal]:
         """Takes in the reply to ``sent`` (see ``_apply``); returns the refused requests."""
-        return self._apply(reply, sent.reporting)
+        return self._apply(reply, sent.reporting, sent.seqs)
 
     def call(self, body: p.Step) -> p.StepReply:
         return self.kv.call(body)
@@ -131,25 +138,39 @@ class KVSync:
             seq.seq_id, seq.token_ids, owner.record.salt, adopt=adopt, reuse_prefix=reuse
         )
 
-    def _apply(self, reply: p.StepReply, reporting: list[str]) -> list[Refusal]:
+    def _apply(
+        self, reply: p.StepReply, reporting: dict[str, int], sent: dict[str, Sequence]
+    ) -> list[Refusal]:
         """Takes in a step reply; while a running sequence got no block for its new tokens,
-        preempts the latest arrival and retries (one more round trip each)."""
+        preempts the latest arrival and retries (one more round trip each). Items about
+        sequences that left since the Step was sent (not ``sent``'s any more) are dropped; one
+        the kvstore admitted meanwhile is freed with the next Step (nothing ran on it)."""
         scheduler, refusals = self.requests.scheduler, []
+        seqs = scheduler.seqs
+
+        def live(seq_id: str) -> Sequence | None:
+            seq = seqs.get(seq_id)
+            return seq if seq is not None and sent.get(seq_id, seq) is seq else None
+
         while True:
             refused = {e.req_id for e in reply.errors if e.op == "append"}
             for placed in reply.forked:  # before the same reply's copy-on-write changes
-                table = scheduler.seqs[placed.req_id].block_ids[: len(placed.block_ids)]
-                if table != placed.block_ids:
+                if (forked := live(placed.req_id)) is None:
+                    continue
+                if forked.block_ids[: len(placed.block_ids)] != placed.block_ids:
                     raise Diverged(f"{placed.req_id}: the fork's table differs from the kvstore's")
-            for seq_id in reporting:  # accepted, whether or not its table changed
-                if seq_id not in refused:
-                    scheduler.reported(seq_id)
+            for seq_id, num_tokens in reporting.items():  # accepted, table changed or not
+                if seq_id not in refused and live(seq_id) is not None:
+                    scheduler.reported(seq_id, num_tokens)
             for grown in reply.appended:
-                self.copies += scheduler.grown(grown.req_id, grown.new_block_ids, grown.copies)
+                if live(grown.req_id) is not None:
+                    self.copies += scheduler.grown(grown.req_id, grown.new_block_ids, grown.copies)
             for req_id, _mode in reply.preempted:
                 scheduler.preempted(req_id)
             for placed in reply.admitted:  # the kvstore knows every token we sent
-                seq = scheduler.seqs[placed.req_id]
+                if (seq := live(placed.req_id)) is None:
+                    self.frees.append(placed.req_id)
+                    continue
                 scheduler.placed(
                     seq.seq_id, placed.block_ids, placed.num_computed, len(seq.token_ids)
                 )
@@ -158,25 +179,27 @@ class KVSync:
                 owner.cached_tokens = placed.num_cached_tokens
                 self.requests.adopting.discard(seq.seq_id)
             for placed in reply.resumed:  # the kvstore knows what it held when preempted
-                seq = scheduler.seqs[placed.req_id]
+                if (seq := live(placed.req_id)) is None:
+                    continue  # its request's end freed it
                 scheduler.placed(
                     seq.seq_id, placed.block_ids, placed.num_computed, seq.num_reported
                 )
-            refusals += [r for e in reply.errors if (r := self._refusal(e)) is not None]
+            errors = [e for e in reply.errors if live(e.req_id) is not None]
+            refusals += [r for e in errors if (r := self._refusal(e)) is not None]
             starved = [
                 e.req_id
-                for e in reply.errors
+                for e in errors
                 if e.op == "append"
                 and e.code == "no_space"
-                and scheduler.seqs[e.req_id].status is SeqStatus.RUNNING
+                and seqs[e.req_id].status is SeqStatus.RUNNING
             ]
             if not starved:
                 return refusals
             victim = scheduler.victim()
             assert victim is not None, "no running sequence to preempt"
             self.quiesce()
-            retry = [scheduler.seqs[r] for r in starved if r != victim.seq_id]
-            reporting = [seq.seq_id for seq in retry]
+            retry = [seqs[r] for r in starved if r != victim.seq_id]
+            reporting = {seq.seq_id: len(seq.token_ids) for seq in retry}
             reply = self.call(
                 p.Step(
                     self.worker_id,

@@ -25,6 +25,7 @@ from compute.graphs import DecodeGraphs
 from compute.mixed_graphs import MIXED_GRAPH_MODEL_TYPES, MixedGraphs
 from compute.transfer import to_device
 from contracts.model_config import kv_geometry
+from kvstore import protocol as p
 
 __all__ = ["Feed", "ForwardPath", "ModelRunner", "ScheduledChunk"]
 
@@ -125,8 +126,8 @@ class ModelRunner:
 
             compile_variants(pool[:, 0, 0], pool[:, 0, 1], int(config.num_attention_heads))
         self.graphs: DecodeGraphs | None = None
-        # a table holds a slot past its last token (the kvstore's lookahead, ``table_blocks``)
-        max_blocks = config.max_position_embeddings // block_size + 1
+        # a table reaches past its last token (the kvstore's ``LOOKAHEAD_SLOTS``)
+        max_blocks = -(-(config.max_position_embeddings + p.LOOKAHEAD_SLOTS) // block_size)
         # the graphs' block tables, kept on the device between steps: two rows per sequence a
         # step can hold, so the rows of sequences that left are reclaimed in batches
         rows = 2 * max(cuda_graph_max_batch, min(max_chunks, cuda_graph_max_tokens), 1)

@@ -49,6 +49,7 @@ class Sequence:
     num_done: int = 0  # tokens whose KV is written by steps already processed
     num_reported: int = 0  # tokens the kvstore knows (and has blocks for)
     inflight: int = 0  # tokens sampled on the device that the host does not know yet
+    launched_chunks: int = 0  # chunks of it in launched steps not processed yet
     feedable: bool = False  # the last in-flight token may feed the next step from the device
     block_ids: list[int] = field(default_factory=list)
 
@@ -160,9 +161,11 @@ class Scheduler:
 
     def to_place(self) -> list[Sequence]:
         """Sequences to admit or resume at the kvstore now: preempted before new, oldest first,
-        while running sequences stay under ``max_num_seqs``."""
+        while running sequences stay under ``max_num_seqs``. A preempted sequence that a
+        launched step still computes waits until that step is processed (its work went to the
+        blocks it lost, and must not count once it is placed again)."""
         room = self.config.max_num_seqs - len(self.running())
-        preempted = self._by_arrival(SeqStatus.PREEMPTED)
+        preempted = [s for s in self._by_arrival(SeqStatus.PREEMPTED) if not s.launched_chunks]
         waiting = self._by_arrival(SeqStatus.WAITING)
         return (preempted + waiting)[: max(room, 0)]
 
@@ -183,10 +186,12 @@ class Scheduler:
         seq.num_reported = num_tokens
         seq.status = SeqStatus.RUNNING
 
-    def reported(self, seq_id: str) -> None:
-        """The kvstore accepted an append of ``unreported`` (with or without a table change)."""
+    def reported(self, seq_id: str, num_tokens: int) -> None:
+        """The kvstore accepted an append that brought its tokens to ``num_tokens`` (with or
+        without a table change; tokens sampled since the append stay unreported)."""
         seq = self.seqs[seq_id]
-        seq.num_reported = len(seq.token_ids)
+        assert seq.num_reported <= num_tokens <= len(seq.token_ids), f"{seq_id}: reported"
+        seq.num_reported = num_tokens
 
     def grown(
         self, seq_id: str, new_block_ids: list[int], copies: list[tuple[int, int, int]]
@@ -211,6 +216,7 @@ class Scheduler:
             f"{seq.seq_id}: computed tokens the kvstore does not know"
         )
         seq.num_computed = chunk.start + chunk.num_tokens
+        seq.launched_chunks += 1
         if sampling:
             seq.inflight += 1
             seq.feedable = feedable
@@ -219,6 +225,7 @@ class Scheduler:
         """The step that computed ``chunk`` finished: its KV is written (unless the sequence
         lost its blocks since, to a preemption)."""
         seq = chunk.seq
+        seq.launched_chunks -= 1
         if self.seqs.get(seq.seq_id) is seq and seq.status is SeqStatus.RUNNING:
             seq.num_done = max(seq.num_done, chunk.start + chunk.num_tokens)
 

@@ -36,7 +36,9 @@ def expect_reply(body: p.Request, reply: p.ReplyBody) -> p.ReplyBody:
 
 
 class KVClient:
-    """One outstanding call at a time. Replies to earlier, timed-out calls are skipped by id."""
+    """Calls may overlap: ``send`` one, make others, then ``receive`` it (the daemon answers in
+    order; a reply that arrives while another is awaited is kept for its own ``receive``).
+    Replies to calls that timed out or were ``forget``-ten are skipped by id."""
 
     def __init__(
         self,
@@ -57,6 +59,8 @@ class KVClient:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(endpoint)
         self._ids = itertools.count(1)
+        self._unanswered: set[int] = set()  # sent, their reply not taken yet
+        self._kept: dict[int, p.Reply] = {}  # replies that came while another was awaited
 
     @overload
     def call(self, body: p.Register) -> p.Registered: ...
@@ -80,15 +84,21 @@ class KVClient:
         return self.receive(body, self.send(body))
 
     def send(self, body: p.Request) -> int:
-        """Sends ``body`` without waiting; returns the call id to pass to ``receive``. The
-        caller may do other work meanwhile, and must ``receive`` before its next call."""
+        """Sends ``body`` without waiting; returns the call id to pass to ``receive`` (or to
+        ``forget``). The caller may do other work and make other calls meanwhile."""
         call_id = next(self._ids)
         self._sock.send(p.encode(p.Call(p.PROTOCOL_VERSION, call_id, body, self._token)))
+        self._unanswered.add(call_id)
         return call_id
 
     def receive(self, body: p.Request, call_id: int) -> p.ReplyBody:
         """The reply to ``send(body)`` (as ``call``)."""
         return expect_reply(body, self._reply(call_id).body)
+
+    def forget(self, call_id: int) -> None:
+        """The reply to ``call_id`` will not be received: it is skipped when it comes."""
+        self._unanswered.discard(call_id)
+        self._kept.pop(call_id, None)
 
     def call_raw(self, *frames: bytes, call_id: int | None = None) -> p.Reply:
         """Sends raw frames and waits for the reply to ``call_id`` (None: the next reply; tests
@@ -97,12 +107,21 @@ class KVClient:
         return self._reply(call_id)
 
     def _reply(self, call_id: int | None) -> p.Reply:
-        """The next reply to ``call_id`` (None: any), or to no call (id 0: an error about the
-        frame itself). Replies to earlier, timed-out calls are skipped."""
-        while True:
-            reply = p.decode_reply(self._receive())
-            if call_id is None or reply.call_id in (call_id, 0):
-                return reply
+        """The reply to ``call_id`` (None: the next one), or to no call (id 0: an error about
+        the frame itself). Replies to other unanswered calls are kept; others are skipped."""
+        if call_id in self._kept:
+            self._unanswered.discard(call_id)
+            return self._kept.pop(call_id)
+        try:
+            while True:
+                reply = p.decode_reply(self._receive())
+                if call_id is None or reply.call_id in (call_id, 0):
+                    return reply
+                if reply.call_id in self._unanswered:
+                    self._kept[reply.call_id] = reply
+        finally:
+            if call_id is not None:
+                self._unanswered.discard(call_id)  # answered, or given up after a timeout
 
     def _receive(self) -> bytes:
         spin_until = time.perf_counter() + self.spin_s

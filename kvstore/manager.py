@@ -24,6 +24,7 @@ from kvstore.cost_model import Choice, DecisionLog, Mode
 from kvstore.integrity import check_integrity
 from kvstore.prefix_index import LookupResult, PrefixIndex
 from kvstore.pricing import Pricing
+from kvstore.protocol import LOOKAHEAD_SLOTS
 from kvstore.request_blocks import (
     extend_hashes,
     must_copy,
@@ -334,10 +335,10 @@ class KVCacheManager:
         self, worker: str, req_ids: list[str], token_ids: list[int], num_computed: list[int]
     ) -> list[int]:
         """The decode step's bulk: one token for each request, in a tight loop. Applies every
-        item that takes the common path (its token goes into the request's last block, which it
-        owns alone and does not fill, every earlier token computed) and returns the indices of
-        the others, left untouched, for the general ``append`` (a new block, a full block to
-        hash, a copy-on-write, a block to register, an error)."""
+        item that takes the common path (its token goes into a block the request owns alone and
+        does not fill, its table needs no new block, every earlier token computed) and returns
+        the indices of the others, left untouched, for the general ``append`` (a new block, a
+        full block to hash, a copy-on-write, a block to register, an error)."""
         requests, bs, running = self.requests, self.block_size, Status.RUNNING
         refs, cached = self.pool.ref_counts, self.pool.cached
         general: list[int] = []
@@ -348,15 +349,17 @@ class KVCacheManager:
             if r is None or r.worker != worker or r.status is not running:
                 general.append(i)
                 continue
-            tokens = r.token_ids
+            tokens, table = r.token_ids, r.block_ids
             n = len(tokens)
-            last = r.block_ids[-1]
+            block, last = table[n // bs], table[-1]
             if (
                 computed != n
-                or (n + 1) % bs == 0
+                or (n + 1) % bs == 0  # fills its block: to hash
+                or len(table) * bs < n + 1 + LOOKAHEAD_SLOTS  # the table must grow
                 or n // bs != r.num_registered
+                or refs[block] > 1
+                or cached[block]
                 or refs[last] > 1
-                or cached[last]
             ):
                 general.append(i)
                 continue

@@ -13,10 +13,15 @@ from typing import Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 5  # 2: Call.token; the wire's codes and kinds are closed sets (Literal).
+PROTOCOL_VERSION = 6  # 2: Call.token; the wire's codes and kinds are closed sets (Literal).
 # 3: AdmitItem.reuse_prefix, Step.finals. 4: the CPU prefix tier (Stats fields, DecisionRow.kind,
 # GetBlockMap, GetBlockInfo, Step.timeline, WorkerRow.timeline). 5: Register.recompute_profile
-# and .graph_token_buckets, WorkerRow.recompute_profile
+# and .graph_token_buckets, WorkerRow.recompute_profile. 6: LOOKAHEAD_SLOTS.
+
+# A running request's block table holds the slots of its known tokens and of this many after
+# them: a worker may compute that many tokens the kvstore has not heard of yet (sampled tokens
+# fed from the device, in a step launched before the reply to its last report is applied).
+LOOKAHEAD_SLOTS = 2
 
 PoolKind = Literal["shm", "cuda_ipc"]
 ErrorCode = Literal["bad_message", "version", "unauthorized", "unknown_worker", "internal"]

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import NamedTuple
 
-from kvstore.protocol import ItemCode
+from kvstore.protocol import LOOKAHEAD_SLOTS, ItemCode
 
 
 class KVError(Exception):
@@ -80,7 +80,9 @@ def cdiv(a: int, b: int) -> int:
 
 def table_blocks(num_tokens: int, block_size: int) -> int:
     """The blocks a running request's table holds: the slots of its ``num_tokens`` known tokens
-    and of the next one (lookahead). A worker feeds the token it samples to its next step from
-    the device, before it reports it; its slot must be in the table already, also when it
-    begins a block, so that no sequence waits a step at every block boundary."""
-    return (num_tokens + block_size) // block_size
+    and of the ``protocol.LOOKAHEAD_SLOTS`` after them. A worker feeds the token it samples to
+    its next step from the device, before it reports it, and launches that step before the
+    kvstore's reply to its last report is applied (``compute.engine``): two tokens past what the
+    kvstore knows, whose slots must be in the table already, also when they begin a block, so
+    that no sequence waits a step at a block boundary."""
+    return cdiv(num_tokens + LOOKAHEAD_SLOTS, block_size)

@@ -139,15 +139,16 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(redis_url: str, tiny
 
 def test_n4_forks_the_prompt_blocks_and_reproduces_with_a_seed(redis_url: str, tiny: tuple) -> None:
     """n = 4: the prompt's blocks are shared through kvstore fork (the 3-block prompt of 40
-    tokens takes 2 shared full blocks + 4 private last blocks = 6, not 12), every sequence
-    streams under its own index, and the seed reproduces all four."""
+    tokens, and 6 more with their two lookahead slots, takes 2 shared full blocks + 4 private
+    last blocks = 6, not 12), every sequence streams under its own index, and the seed
+    reproduces all four."""
     prompt = prompts_of([40], seed=8)["req0"]
-    params = SamplingParams(max_tokens=8, temperature=0.9, seed=7, n=4, ignore_eos=True)
+    params = SamplingParams(max_tokens=6, temperature=0.9, seed=7, n=4, ignore_eos=True)
     flags = ["--kv-memory", "0.01GiB"]
-    first = run_engine(redis_url, flags, {"n4": prompt}, 8, tiny, params={"n4": params})
-    again = run_engine(redis_url, flags, {"n4": prompt}, 8, tiny, params={"n4": params})
+    first = run_engine(redis_url, flags, {"n4": prompt}, 6, tiny, params={"n4": params})
+    again = run_engine(redis_url, flags, {"n4": prompt}, 6, tiny, params={"n4": params})
     outputs = {i: s.token_ids for i, s in first.streamed["n4"].sequences.items()}
-    assert sorted(outputs) == [0, 1, 2, 3] and all(len(t) == 8 for t in outputs.values())
+    assert sorted(outputs) == [0, 1, 2, 3] and all(len(t) == 6 for t in outputs.values())
     assert len({tuple(t) for t in outputs.values()}) > 1  # the four draws differ
     assert {i: s.token_ids for i, s in again.streamed["n4"].sequences.items()} == outputs
     assert first.max_used == 6 and first.stats.gpu.used == 0

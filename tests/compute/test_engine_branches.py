@@ -43,10 +43,11 @@ def test_beam_search_equals_generate_and_shares_blocks(redis_url: str, tiny: tup
     four = {f"ind{i}": prompt for i in range(4)}
     salts = {rid: rid.encode() for rid in four}
     independent = run_engine(redis_url, FLAGS, four, 12, tiny, salts=salts)
-    # 4 x 7 blocks for 112 tokens; the beams share the prompt's 6 full blocks
-    assert independent.max_used == 28
+    # 4 x 7 blocks for 112 tokens, 8 once a table's two lookahead slots pass 112 (the four end
+    # about together); the beams share the prompt's 6 full blocks
+    assert 4 * 7 <= independent.max_used <= 4 * 8
     assert beams.max_used <= 6 + 4 * 2, beams.max_used
-    print(f"\nbeam width 4: {beams.max_used} blocks at most; 4 independent: 28")
+    print(f"\nbeam width 4: {beams.max_used} blocks at most; 4 independent: {independent.max_used}")
     assert beams.stats.gpu.used == 0 and not beams.stats.requests
 
 

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from compute.scheduler import Chunk, Scheduler, SchedulerConfig, SeqStatus
 from kvstore.manager import KVCacheManager
+from kvstore.protocol import LOOKAHEAD_SLOTS
 from kvstore.requests import KVError
 
 BS = 4
@@ -42,7 +43,7 @@ def test_decodes_first_then_prefill_chunks_within_the_budget() -> None:
     assert b.token_ids == [0, 1, 2, 42] and (a.num_computed, b.num_computed) == (9, 3)
     assert b.unreported == [42] and b.num_pending == 0  # not computed before it is reported
     assert [(ch.seq.seq_id, ch.start) for ch in s.schedule()] == [("a", 9), ("c", 0)]
-    s.reported("b")  # the kvstore accepted 42 ...
+    s.reported("b", 4)  # the kvstore accepted 42 ...
     s.grown("b", [8], [])  # ... and gave b a block for it
     chunks = s.schedule()  # b decodes, a finishes its prompt, c starts
     assert [(ch.seq.seq_id, ch.start, ch.num_tokens) for ch in chunks] == [
@@ -72,6 +73,28 @@ def test_placement_order_room_and_victim() -> None:
         s.add("c", [1])
 
 
+def test_a_preempted_sequence_is_placed_again_only_once_its_launched_chunks_are_processed() -> None:
+    """The kvstore's reply is applied after the next step is launched: a victim may be computed
+    by two launched steps when it is preempted. Their work went to the blocks it lost, so it
+    is not placed again (its computed count would take them in) until both are processed."""
+    s = scheduler(seqs=4, tokens=4)
+    s.add("a", [1, 2, 3, 4, 5, 6, 7, 8])
+    s.placed("a", [0, 1, 2], 0, 8)
+    first = s.schedule()[0]
+    s.launched(first, sampling=False, feedable=False)  # step k: tokens 0-3
+    second = s.schedule()[0]
+    s.launched(second, sampling=True, feedable=True)  # step k+1: tokens 4-7, draws one
+    s.preempted("a")
+    assert s.to_place() == []  # two launched steps still compute it
+    s.processed(first)
+    assert s.to_place() == []
+    s.processed(second)
+    s.sampled(second.seq, 9)
+    assert [q.seq_id for q in s.to_place()] == ["a"]
+    a = s.seqs["a"]
+    assert (a.num_done, a.num_computed, a.unreported) == (0, 0, [9])
+
+
 def test_grown_applies_copies_and_new_blocks() -> None:
     s = scheduler()
     s.add("p", list(range(6)))
@@ -95,7 +118,7 @@ def test_every_sequence_finishes_under_memory_pressure(
     """The engine's step loop, minus the model: schedule, 'compute', append at the real manager,
     preempt the victim when it has no room, place what fits. Every sequence ends with its prompt
     and ``outputs`` tokens, and the scheduler's tables always equal the manager's."""
-    if max(-(-(p + outputs) // BS) for p in prompts) > blocks:
+    if max(-(-(p + outputs + LOOKAHEAD_SLOTS) // BS) for p in prompts) > blocks:
         return  # one sequence alone cannot fit: not this test's business
     kv = KVCacheManager(blocks, 0, BS)
     s = scheduler(seqs=4, tokens=budget)
@@ -132,7 +155,7 @@ def test_every_sequence_finishes_under_memory_pressure(
                     if victim is seq:
                         break
                     continue
-                s.reported(seq.seq_id)
+                s.reported(seq.seq_id, len(seq.token_ids))
                 s.grown(seq.seq_id, growth.new_block_ids, growth.copies)
                 break
             if seq.status is SeqStatus.RUNNING and len(seq.token_ids) - seq.num_prompt == outputs:

@@ -38,9 +38,9 @@ def test_an_evicted_prefix_is_demoted_at_eviction_and_loaded_back() -> None:
     m = tiered()
     assert computed_and_freed(m, "a", PROMPT) == [0, 1, 2, 3]
     assert m.pool.lru_order() == [0, 1, 2] and m.pool.num_free == 1
-    # 63 new tokens and the lookahead slot need the whole pool: the free block 3, then
+    # 62 new tokens and their two lookahead slots need the whole pool: the free block 3, then
     # blocks 0, 1, 2 evicted.
-    assert m.admit("b", "w", list(range(100, 163)), None).block_ids == [3, 0, 1, 2]
+    assert m.admit("b", "w", list(range(100, 162)), None).block_ids == [3, 0, 1, 2]
     assert m.take_pending() == TransferPlan(swap_out=[(0, 0), (1, 1), (2, 2)])
     assert m.store.counts["demoted_at_eviction"] == 3 and m.store.counts["dropped"] == 0
     assert [r.tier for r in m.index.top_prefixes(10)] == []  # no hits yet
@@ -70,7 +70,7 @@ def test_an_evicted_prefix_is_demoted_at_eviction_and_loaded_back() -> None:
 def test_recompute_when_loading_is_dearer_then_the_gpu_copy_joins_the_cpu_entry() -> None:
     m = tiered(load_s=1.0)
     computed_and_freed(m, "a", PROMPT)
-    m.admit("b", "w", list(range(100, 163)), None)
+    m.admit("b", "w", list(range(100, 162)), None)
     m.take_pending()
     m.free("b", "w")
     placement = m.admit("c", "w", [*PROMPT, 7], None)
@@ -95,7 +95,7 @@ def test_write_back_copies_the_next_victims_ahead_so_eviction_copies_nothing() -
     assert m.take_pending() == TransferPlan(swap_out=[(0, 0), (1, 1)])
     assert m.store.plan_write_back(ahead=2, limit=8) == 0  # already copied
     m.check_integrity()
-    m.admit("b", "w", list(range(100, 163)), None)
+    m.admit("b", "w", list(range(100, 162)), None)
     # Blocks 0 and 1 had copies; block 2 is copied at eviction.
     assert m.take_pending() == TransferPlan(swap_out=[(2, 2)])
     assert m.store.counts["demoted"] == 2 and m.store.counts["demoted_at_eviction"] == 1
@@ -136,7 +136,7 @@ def test_swapped_requests_win_cpu_space_from_demoted_prefixes() -> None:
 def test_prefixes_held_nowhere_else_are_dropped_when_the_cpu_tier_is_full() -> None:
     m = tiered(gpu=4, cpu=1)
     computed_and_freed(m, "a", PROMPT)
-    m.admit("b", "w", list(range(100, 163)), None)
+    m.admit("b", "w", list(range(100, 162)), None)
     # One CPU block for three victims: each demotion evicts the previous one.
     assert m.take_pending().swap_out == [(0, 0), (1, 0), (2, 0)]
     assert m.store.counts["dropped"] == 2 and len(m.index) == 1
@@ -148,14 +148,14 @@ def test_prefixes_held_nowhere_else_are_dropped_when_the_cpu_tier_is_full() -> N
 def test_reset_drops_both_tiers_and_the_tier_off_drops_evicted_prefixes() -> None:
     m = tiered()
     computed_and_freed(m, "a", PROMPT)
-    m.admit("b", "w", list(range(100, 163)), None)
+    m.admit("b", "w", list(range(100, 162)), None)
     m.take_pending()
     m.free("b", "w")
     assert m.reset_prefix_cache() == 3 and m.cpu.num_free == 4 and len(m.index) == 0
     m.check_integrity()
     off = KVCacheManager(4, 4, BS)  # the tier is off by default in the pure manager
     computed_and_freed(off, "a", PROMPT)
-    off.admit("b", "w", list(range(100, 163)), None)
+    off.admit("b", "w", list(range(100, 162)), None)
     assert off.take_pending() == TransferPlan() and off.store.counts["dropped"] == 3
     off.check_integrity()
 

@@ -72,6 +72,22 @@ def test_register_admit_append_fork_free(client: KVClient) -> None:
     assert [(e.req_id, e.code) for e in reply.errors] == [("nope", "unknown_request")]
 
 
+def test_calls_may_overlap_and_each_reply_reaches_its_receive(client: KVClient) -> None:
+    """A worker sends its Step and takes the reply a step later; other calls in between (the
+    bench's stats, a retry) keep it for that ``receive`` instead of dropping it."""
+    register(client, "w-overlap")
+    admit = p.Step("w-overlap", admits=[p.AdmitItem("o1", list(range(3000, 3020)))])
+    call_id = client.send(admit)
+    stats = client.call(p.GetStats(0))  # answered after the Step: its reply is kept
+    assert isinstance(stats, p.Stats) and any(r.req_id == "o1" for r in stats.requests)
+    reply = client.receive(admit, call_id)
+    assert isinstance(reply, p.StepReply) and [a.req_id for a in reply.admitted] == ["o1"]
+    forgotten = client.send(p.Ping())
+    client.forget(forgotten)  # its reply is skipped when it comes
+    assert isinstance(client.call(p.Ping()), p.Pong)
+    client.call(p.Step("w-overlap", frees=["o1"]))
+
+
 def test_copy_on_write_copy_comes_back_to_the_worker(client: KVClient) -> None:
     register(client, "w-cow")
     client.call(p.Step("w-cow", admits=[p.AdmitItem("c1", list(range(2000, 2020)))]))
@@ -229,19 +245,19 @@ def test_token_batch_takes_the_fast_path_and_falls_back_per_item(client: KVClien
     register(client, "w-tok")
     admits = [
         p.AdmitItem("t1", list(range(7000, 7020))),
-        p.AdmitItem("t2", list(range(8000, 8030))),
+        p.AdmitItem("t2", list(range(8000, 8029))),
     ]
     client.call(p.Step("w-tok", admits=admits))
-    client.call(p.Step("w-tok", appends=[p.AppendItem("t1", [1], 20), p.AppendItem("t2", [1], 30)]))
-    # t1 (21 tokens) stays in its block; t2's 32nd token fills its second block, so the next
-    # token's slot needs a third; t3 does not exist.
-    batch = p.TokenBatch(["t1", "t2", "t3"], [2, 2, 2], [21, 31, 0])
+    client.call(p.Step("w-tok", appends=[p.AppendItem("t1", [1], 20), p.AppendItem("t2", [1], 29)]))
+    # t1 (21 tokens) stays in its blocks; t2's 31st token leaves its second lookahead slot past
+    # its two blocks: a third; t3 does not exist.
+    batch = p.TokenBatch(["t1", "t2", "t3"], [2, 2, 2], [21, 30, 0])
     reply = client.call(p.Step("w-tok", tokens=batch))
     assert [(g.req_id, len(g.new_block_ids)) for g in reply.appended] == [("t2", 1)]
     assert [(e.req_id, e.code) for e in reply.errors] == [("t3", "unknown_request")]
     rows = {r.req_id: r for r in client.call(p.GetStats()).requests}
     assert (rows["t1"].tokens, rows["t1"].num_computed) == (22, 21)
-    assert (rows["t2"].tokens, rows["t2"].gpu_blocks) == (32, 3)
+    assert (rows["t2"].tokens, rows["t2"].gpu_blocks) == (31, 3)
     bad = client.call(p.Step("w-tok", tokens=p.TokenBatch(["t1"], [1, 2], [22])))
     assert bad.errors[0].code == "bad_argument" and "differ in length" in bad.errors[0].message
     client.call(p.Step("w-tok", frees=["t1", "t2"]))

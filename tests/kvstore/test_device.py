@@ -118,9 +118,9 @@ def tier_round_trip(pools: DevicePools, write_back: int) -> None:
     service.handle(p.Step("w", appends=[p.AppendItem("a", [], 49)], frees=[]))
     service.handle(p.Step("w", frees=["a"]))
     assert service.between_calls() == (3 if write_back else 0)
-    # 127 other tokens and their lookahead slot take every GPU block; the "worker" overwrites
-    # them all.
-    reply = service.handle(p.Step("w", admits=[p.AdmitItem("b", list(range(500, 627)))]))
+    # 126 other tokens and their two lookahead slots take every GPU block; the "worker"
+    # overwrites them all.
+    reply = service.handle(p.Step("w", admits=[p.AdmitItem("b", list(range(500, 626)))]))
     assert isinstance(reply, p.StepReply) and len(reply.admitted[0].block_ids) == 8
     pools.pool.fill_(-1.0)
     assert manager.store.counts["demoted_at_eviction"] == (0 if write_back else 3)

@@ -10,6 +10,7 @@ import pytest
 from kvstore.block_pool import BlockPool, CpuTier, NoFreeBlocks
 from kvstore.cost_model import LinearCost, SwapCalibration
 from kvstore.manager import KVCacheManager
+from kvstore.protocol import LOOKAHEAD_SLOTS
 from kvstore.requests import KVError, Status
 
 BS = 16
@@ -195,21 +196,24 @@ def test_no_space_is_all_or_nothing() -> None:
     m.check_integrity()
 
 
-def test_a_running_table_holds_the_slot_of_the_next_token() -> None:
-    """The lookahead slot: a worker computes the token it samples before reporting it, so the
-    table always reaches one slot past the last known token; a swap moves only the blocks that
-    hold tokens."""
+def test_a_running_table_holds_the_slots_of_the_next_two_tokens() -> None:
+    """The lookahead slots: a worker computes the tokens it samples before reporting them, so
+    the table always reaches ``LOOKAHEAD_SLOTS`` (2) slots past the last known token; a swap
+    moves only the blocks that hold tokens."""
+    assert LOOKAHEAD_SLOTS == 2
     m = manager(8, 8)
     m.pricing.calibration = SwapCalibration(1024, LinearCost(0.0, 1e-6), LinearCost(0.0, 1e-6))
     m.pricing.prefill_profiles["w"] = [(16, 1.0), (1024, 2.0)]  # recompute is far dearer
     assert m.admit("a", "w", list(range(32)), None).block_ids == [0, 1, 2]  # 2 full, 1 ahead
     m.append("a", "w", [], 32)
     assert m.append_tokens("w", ["a"], [7], [32]) == []  # in the lookahead block: no growth
+    m.append("a", "w", list(range(13)), 33)  # 46 tokens: slots 46 and 47 still in block 2
     assert m.requests["a"].block_ids == [0, 1, 2]
-    m.append("a", "w", list(range(14)), 33)  # 47 tokens: block 2 one token short of full
-    assert m.append_tokens("w", ["a"], [7], [47]) == [0]  # fills block 2: the general path
-    growth = m.append("a", "w", [7], 48)  # computed before it was reported (fed)
+    assert m.append_tokens("w", ["a"], [7], [46]) == [0]  # slot 48 needs a block: general
+    growth = m.append("a", "w", [7], 47)  # computed before it was reported (fed)
     assert growth.new_block_ids == [3] and growth.copies == []
+    assert m.append_tokens("w", ["a"], [7], [47]) == [0]  # fills block 2 (to hash): general
+    assert m.append("a", "w", [7], 48).new_block_ids == []
     assert m.requests["a"].block_ids == [0, 1, 2, 3] and len(m.requests["a"].keys) == 3
     m.check_integrity()
     modes, plan = m.preempt(["a"], "w", now=1.0)
@@ -392,12 +396,12 @@ def test_reset_prefix_cache_frees_idle_cached_blocks() -> None:
 
 def test_admission_leaves_the_watermark_for_running_requests() -> None:
     m = KVCacheManager(100, 0, 16, watermark=0.05)  # 5 blocks kept for growth
-    m.admit("a", "w", list(range(16 * 90 - 1)), None)  # 90 blocks (the last is half lookahead)
+    m.admit("a", "w", list(range(16 * 90 - 2)), None)  # 90 blocks (2 lookahead slots)
     with pytest.raises(KVError, match="watermark") as err:
-        m.admit("b", "w", list(range(5000, 5000 + 16 * 6 - 1)), None)  # 6 > 10 - 5
+        m.admit("b", "w", list(range(5000, 5000 + 16 * 6 - 2)), None)  # 6 > 10 - 5
     assert err.value.code == "no_space"
-    m.admit("c", "w", list(range(6000, 6000 + 16 * 5 - 1)), None)  # up to the watermark
-    m.append("a", "w", list(range(16 * 5)), 16 * 90 - 1)  # a running request grows into it
+    m.admit("c", "w", list(range(6000, 6000 + 16 * 5 - 2)), None)  # up to the watermark
+    m.append("a", "w", list(range(16 * 5)), 16 * 90 - 2)  # a running request grows into it
     assert m.pool.num_available == 0
     m.check_integrity()
 
@@ -420,9 +424,9 @@ def test_step_order_running_requests_grow_before_admissions() -> None:
 
     service = KVService(KVCacheManager(3, 0, 16), NoMoves(), 60, 60)
     service.handle(p.Register("w"))
-    service.handle(p.Step("w", admits=[p.AdmitItem("a", list(range(31)))]))  # 2 blocks
-    reply = service.handle(  # a's 32nd token fills block 2: it needs the next lookahead block
-        p.Step("w", admits=[p.AdmitItem("b", [1, 2])], appends=[p.AppendItem("a", [7], 31)])
+    service.handle(p.Step("w", admits=[p.AdmitItem("a", list(range(30)))]))  # 2 blocks
+    reply = service.handle(  # a's 31st token: its second lookahead slot needs a third block
+        p.Step("w", admits=[p.AdmitItem("b", [1, 2])], appends=[p.AppendItem("a", [7], 30)])
     )
     assert isinstance(reply, p.StepReply)
     assert [g.req_id for g in reply.appended] == ["a"]

@@ -110,7 +110,7 @@ def test_the_manager_prices_with_the_request_context_suffix_and_busy_worker() ->
     m.admit("a", "w", prompt, None)
     m.append("a", "w", [], len(prompt))
     m.free("a", "w")
-    m.admit("b", "w", list(range(100, 195)), None)  # the whole pool: the 3 blocks demoted
+    m.admit("b", "w", list(range(100, 194)), None)  # the whole pool: the 3 blocks demoted
     m.take_pending()
     m.free("b", "w")
     m.check_integrity()
