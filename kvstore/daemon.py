@@ -340,7 +340,8 @@ class Daemon:
                 if log.isEnabledFor(logging.DEBUG):
                     log.debug("call answered in %.3f ms", (time.perf_counter() - start) * 1e3)
             start = time.perf_counter()
-            service.between_calls()
+            if not self.sock.poll(0):  # no message waits: copy ahead of evictions
+                service.between_calls()
             spent = time.perf_counter() - start
             if spent > 1e-4 and log.isEnabledFor(logging.DEBUG):
                 log.debug("between calls: %.3f ms", spent * 1e3)

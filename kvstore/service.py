@@ -19,7 +19,9 @@ from kvstore.requests import KVError, Placement, TransferPlan
 from kvstore.stats import block_info, block_map, build_stats
 
 log = logging.getLogger("pagedserve.kvstore")
-WRITE_BACK_BATCH = 64  # blocks per write-back pass: 32 MiB for the 1B shape, ~0.6 ms at 55 GB/s
+# bytes per write-back pass between calls: ~0.15 ms at 55 GB/s, whatever the block size (a pass
+# of 64 blocks, 128 MiB of the 8B shape's, held the next Step ~2 ms: BENCHMARKS.md, ninth pass)
+WRITE_BACK_BYTES = 8 << 20
 
 
 class Mover(Protocol):
@@ -158,12 +160,15 @@ class KVService:
         self._run(TransferPlan())  # the step's demotions and prefix loads, before the reply
         return reply
 
-    def between_calls(self, limit: int = WRITE_BACK_BATCH) -> int:
-        """Copies up to ``limit`` of the next GPU victims' cached blocks to the CPU tier ahead
-        of their eviction (the daemon calls it between messages: off every request's critical
-        path, and bounded so that the next message waits little). Returns how many."""
+    def between_calls(self, limit: int | None = None) -> int:
+        """Copies up to ``limit`` (default: ``WRITE_BACK_BYTES`` worth) of the next GPU victims'
+        cached blocks to the CPU tier ahead of their eviction (the daemon calls it between
+        messages, when none waits: off every request's critical path, and bounded so that the
+        next message waits little). Returns how many."""
         if not self.write_back_ahead:
             return 0
+        if limit is None:
+            limit = max(1, WRITE_BACK_BYTES // self.mover.block_bytes)
         queued = self.manager.store.plan_write_back(self.write_back_ahead, limit)
         if queued:
             self._run(TransferPlan())

@@ -206,3 +206,35 @@ def test_a_demotion_queued_after_a_load_never_overwrites_the_load_source() -> No
     assert plan.swap_out == [] and m.store.counts["dropped"] >= 1  # evicted without a copy
     assert not {c for _, c in plan.swap_out} & {0, 1}  # no demotion into the load's sources
     m.check_integrity()
+
+
+def test_a_write_back_pass_between_calls_copies_a_bounded_number_of_bytes() -> None:
+    """Between calls the daemon copies the next victims ahead, at most ``WRITE_BACK_BYTES`` per
+    pass whatever the block size: a pass sized in blocks held the next Step ~2 ms for the 8B
+    shape's 2 MiB blocks."""
+    from kvstore.service import WRITE_BACK_BYTES, KVService
+
+    class Recorder:
+        block_bytes = WRITE_BACK_BYTES // 2  # two blocks per pass
+
+        def __init__(self) -> None:
+            self.copied: list[tuple[int, int]] = []
+
+        def swap_out(self, pairs: list[tuple[int, int]]) -> float:
+            self.copied += pairs
+            return 0.0
+
+        def swap_in(self, pairs: list[tuple[int, int]]) -> float:
+            return 0.0
+
+        def export(self) -> p.PoolInfo:
+            return p.PoolInfo("shm", [1], "float32", 16)
+
+    m = tiered(gpu=8, cpu=8)
+    mover = Recorder()
+    service = KVService(m, mover, 60, 60, write_back_ahead=8)
+    computed_and_freed(m, "a", list(range(80)))  # 5 cached blocks at the LRU's head
+    assert service.between_calls() == 2 and mover.copied == [(0, 0), (1, 1)]
+    assert service.between_calls() == 2 and service.between_calls() == 1
+    assert service.between_calls() == 0 and len(mover.copied) == 5
+    m.check_integrity()
