@@ -170,11 +170,13 @@ def run_pagedserve(
     out: Path,
     guided: list[float] | None = None,
     gateways: int = 1,
+    kvstore_args: str = "",
 ) -> list[dict[str, Any]]:
-    """The client's runs against one ``pagedserve up`` (``gateways`` gateway processes): the
-    standard workload, or one run per fraction of ``guided`` (same seed: the same prompts, a
-    growing share of them guided)."""
-    with pagedserve_up(str(model_dir), out.parent / "redis", gateways=gateways) as url:
+    """The client's runs against one ``pagedserve up`` (``gateways`` gateway processes, extra
+    ``kvstore_args``): the standard workload, or one run per fraction of ``guided`` (same seed:
+    the same prompts, a growing share of them guided)."""
+    redis_dir = out.parent / "redis"
+    with pagedserve_up(str(model_dir), redis_dir, "cuda", kvstore_args, gateways) as url:
         if guided is None:
             warm_up(url, model_dir.name, model_dir, out, ignore_eos=True)
             before = timelines(url)
@@ -319,6 +321,9 @@ def main() -> None:
         "--gateways", default="1", help="comma-separated gateway process counts: a run each"
     )
     parser.add_argument(
+        "--kvstore-args", default="", help="extra kvstore flags of pagedserve's runs (quoted)"
+    )
+    parser.add_argument(
         "--guided-fractions",
         default="",
         help="comma-separated fractions of requests asking for JSON of a random schema (e.g. "
@@ -343,7 +348,9 @@ def main() -> None:
     counts = [] if args.skip_pagedserve else [int(n) for n in args.gateways.split(",")]
     for count in counts:
         out = args.out / f"pagedserve-{count}gw.json"
-        [http[count]] = run_pagedserve(model_dir, args.requests, out, gateways=count)
+        [http[count]] = run_pagedserve(
+            model_dir, args.requests, out, gateways=count, kvstore_args=args.kvstore_args
+        )
         label = "" if count == 1 else f", {count} gateway processes"
         rows.append(row(f"pagedserve (HTTP{label})", http[count]))
     if not args.skip_transformers:
