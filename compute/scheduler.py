@@ -8,8 +8,9 @@ from the kvstore's replies (``placed``/``grown``); the scheduler never invents a
 Overlap (``compute.model_step``): a step is launched before the previous one's tokens reach the
 host. A sequence whose last sampled token is still on the device (``inflight``) runs its next
 decode with that token fed from the device (a ``fed`` chunk), provided its block table already
-has the slot (the kvstore keeps one past every running table's last token, ``kvstore.requests.
-table_blocks``) and its ``max_len`` allows another token; otherwise it waits a step.
+has the slot (the kvstore keeps two past every running table's last token,
+``kvstore.protocol.LOOKAHEAD_SLOTS``) and its ``max_len`` allows another token; otherwise it
+waits a step.
 ``num_computed`` counts launched work, ``num_done`` the work of processed steps (what the kvstore
 is told).
 

@@ -410,7 +410,7 @@ class KVCacheManager:
         return [self._preempt_one(victim, now, plan) for victim in victims], plan
 
     def _preempt_one(self, request: Request, now: float, plan: TransferPlan) -> Mode:
-        """Swaps out the blocks that hold tokens (not the lookahead slot past them), or drops
+        """Swaps out the blocks that hold tokens (not the lookahead slots past them), or drops
         them all."""
         blocks = request.block_ids[: cdiv(len(request.token_ids), self.block_size)]
         choice = self.pricing.preempt(
