@@ -11,7 +11,7 @@ import redis
 
 from compute.engine import Engine
 from compute.models import FAMILIES, byte_tokenizer, tiny_family_config
-from compute.scheduler import SchedulerConfig
+from compute.scheduler import Scheduler, SchedulerConfig
 from contracts import queue_worker
 from contracts.records import RequestRecord, SamplingParams, Streamed
 from kvstore.client import KVClient
@@ -94,10 +94,20 @@ def test_prefix_hit_reports_cached_tokens_and_same_output(redis_url: str, tiny: 
 
 
 def test_memory_pressure_swaps_and_recomputes_with_identical_output(
-    redis_url: str, tiny: tuple
+    redis_url: str, tiny: tuple, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """30 GPU blocks for 8 requests that need 6-7 each at the end; a CPU tier of 12 blocks: some
-    victims are swapped, others recomputed once the CPU tier is full."""
+    victims are swapped, others recomputed once the CPU tier is full. The kvstore's reply comes
+    after the next launch, so victims are preempted while launched steps still compute them
+    (their work, gone with their blocks, must not count when they are placed again)."""
+    in_flight: list[int] = []  # each victim's chunks in launched, unprocessed steps
+    preempted = Scheduler.preempted
+
+    def recording(self: Scheduler, seq_id: str) -> None:
+        in_flight.append(self.seqs[seq_id].launched_chunks)
+        preempted(self, seq_id)
+
+    monkeypatch.setattr(Scheduler, "preempted", recording)
     prompts = prompts_of([60, 50, 45, 70, 55, 40, 65, 48], seed=3)
     gib = 30 * BLOCK_BYTES / (1 << 30)
     swap = 12 * BLOCK_BYTES / (1 << 30)
@@ -113,6 +123,8 @@ def test_memory_pressure_swaps_and_recomputes_with_identical_output(
     for rid, prompt in prompts.items():
         assert outputs[rid] == generate_greedy(tiny[2], prompt, 40), rid
     assert stats.preemptions["swap"] > 0 and stats.preemptions["recompute"] > 0, stats.preemptions
+    print(f"\nvictims' chunks in flight when preempted: {in_flight}")
+    assert max(in_flight) == 2  # the step before the reply and the one launched after it
     assert all(d.predicted_swap_s is not None for d in stats.decisions)
     assert stats.gpu.used == 0 and stats.cpu.used == 0
 
