@@ -79,12 +79,15 @@ class KVSync:
         forks = [p.ForkItem(parent, children) for parent, children in self.forks.items()]
         frees, self.forks, self.frees = self.frees, {}, []
         finals, self.finals = self.finals, []
-        decodes, appends = [], []
+        decodes, appends, reporting = [], [], {}
         for seq in scheduler.running():
             if len(seq.unreported) == 1 and seq.num_done == seq.num_reported:
                 decodes.append(seq)
             elif seq.unreported or seq.seq_id in computed:
                 appends.append(p.AppendItem(seq.seq_id, seq.unreported, seq.num_done))
+            else:
+                continue
+            reporting[seq.seq_id] = len(seq.token_ids)
         tokens = (
             p.TokenBatch(
                 [s.seq_id for s in decodes],
@@ -95,8 +98,6 @@ class KVSync:
             else None
         )
         to_place = scheduler.to_place()
-        reporting = {s.seq_id: len(s.token_ids) for s in decodes}
-        reporting.update((a.req_id, len(scheduler.seqs[a.req_id].token_ids)) for a in appends)
         body = p.Step(
             self.worker_id,
             frees=frees,

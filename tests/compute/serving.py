@@ -90,16 +90,10 @@ def run_engine(
                 engine.step(block_ms=block_ms)
                 steps += 1
                 assert len(engine.active) <= max_num_seqs
-                # The kvstore holds exactly the tokens the worker reported, no more, no fewer
-                # (those of a Step whose reply the worker has not applied yet count).
                 live = kv.call(p.GetStats(0))
                 max_used = max(max_used, live.gpu.used)
                 rows = {row.req_id: row for row in live.requests}
-                sent = engine.unanswered_reports  # the last Step's, its reply not applied yet
-                for seq in engine.scheduler.running():
-                    # exact, or between the reply's two outcomes (accepted, refused for space)
-                    upto = sent.get(seq.seq_id, seq.num_reported)
-                    assert seq.num_reported <= rows[seq.seq_id].tokens <= upto, seq.seq_id
+                assert_kvstore_holds_reported(engine, rows)
                 streamed = {rid: queue_worker.read_streamed(r, rid) for rid in prompts}
                 if all(s.final for s in streamed.values()) and engine.idle:
                     break
@@ -113,6 +107,16 @@ def run_engine(
         return Served(outputs, stats, cached, steps, max_used, streamed)
     finally:
         stop_process(process)
+
+
+def assert_kvstore_holds_reported(engine: Engine, rows: dict[str, p.RequestRow]) -> None:
+    """The kvstore (``rows``, its stats' requests) holds exactly the tokens the worker reported:
+    those of its last Step, whose reply it has not applied yet, count (between the reply's two
+    outcomes: accepted, or refused for lack of space)."""
+    sent = engine.unanswered_reports
+    for seq in engine.scheduler.running():
+        upto = sent.get(seq.seq_id, seq.num_reported)
+        assert seq.num_reported <= rows[seq.seq_id].tokens <= upto, seq.seq_id
 
 
 def prompts_of(

@@ -19,7 +19,7 @@ from contracts.records import OutputRecord, RequestRecord, SamplingParams
 from kvstore import protocol as p
 from kvstore.client import KVClient
 from tests.compute.driver import EOS, generate_greedy, reference_model
-from tests.compute.serving import PROFILE, prompts_of, submit
+from tests.compute.serving import PROFILE, assert_kvstore_holds_reported, prompts_of, submit
 from tests.conftest import entry_record, start_kvstore, stop_process
 
 
@@ -70,11 +70,7 @@ def serve_staggered(
                 engine.step(block_ms=20)
                 running.append(len(engine.scheduler.running()))
                 rows = {row.req_id: row for row in kv.call(p.GetStats(0)).requests}
-                sent = engine.unanswered_reports  # the last Step's, its reply not applied yet
-                for seq in engine.scheduler.running():
-                    # exact, or between the reply's two outcomes (accepted, refused for space)
-                    upto = sent.get(seq.seq_id, seq.num_reported)
-                    assert seq.num_reported <= rows[seq.seq_id].tokens <= upto, seq.seq_id
+                assert_kvstore_holds_reported(engine, rows)
             stats = kv.call(p.GetStats())
         return engine, running, stats
     finally:
