@@ -219,7 +219,10 @@ def test_a_dead_gateways_requests_are_aborted_by_the_workers(stack: Stack) -> No
 
         async def scenario() -> list[str]:
             async def one(session: aiohttp.ClientSession, i: int) -> str:
-                body = {"prompt": f"dead {i}", "max_tokens": 3000, "ignore_eos": True}
+                # long enough to outlive the kill, the liveness TTL and the worker's 5 s of
+                # grace: ~2,600 tokens are out by then on a 2-core CPU (3,000 was too few once
+                # the kvstore's reply left the worker's step)
+                body = {"prompt": f"dead {i}", "max_tokens": 4000, "ignore_eos": True}
                 try:
                     streamed = await stream_completion(session, gateway.url, body)
                 except aiohttp.ClientError as err:
@@ -229,7 +232,7 @@ def test_a_dead_gateways_requests_are_aborted_by_the_workers(stack: Stack) -> No
             timeout = aiohttp.ClientTimeout(total=60)
             async with aiohttp.ClientSession(timeout=timeout) as session:
                 tasks = [asyncio.create_task(one(session, i)) for i in range(3)]
-                await asyncio.sleep(3)
+                await asyncio.sleep(1.5)  # the streams are flowing
                 gateway.process.kill()
                 return await asyncio.gather(*tasks)
 
