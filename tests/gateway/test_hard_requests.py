@@ -111,5 +111,9 @@ def test_the_largest_request_that_fits_is_served_beside_others(small: Stack) -> 
 
 
 def test_the_stack_still_serves(small: Stack) -> None:
-    out = client(small).completions.create(model="tiny", prompt="still", max_tokens=3)
+    """Sampled (temperature 1) without a seed: ignore_eos, or a drawn EOS would end it early."""
+    out = client(small).completions.create(
+        model="tiny", prompt="still", max_tokens=3, extra_body={"ignore_eos": True}
+    )
     assert out.choices[0].finish_reason == "length"
+    assert out.usage is not None and out.usage.completion_tokens == 3
