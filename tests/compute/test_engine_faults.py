@@ -4,6 +4,7 @@ restarts under a running worker, a request another worker took over."""
 
 from __future__ import annotations
 
+import signal
 import time
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import redis
 from transformers import PreTrainedModel
 
 from compute.engine import RECOVERABLE, Engine
+from compute.kvsync import Sent
 from compute.scheduler import SchedulerConfig
 from contracts import queue_keys, queue_worker
 from contracts.records import (
@@ -135,11 +137,17 @@ def assert_greedy(engine: Engine, prompts: dict[str, list[int]], ref: PreTrained
         assert tokens == generate_greedy(ref, prompt, GREEDY.max_tokens), rid
 
 
-def test_a_restarted_kvstore_is_registered_with_again(redis_url: str, tiny: tuple) -> None:
+@pytest.mark.parametrize("its_last_step", ["sent", "never read"])
+def test_a_restarted_kvstore_is_registered_with_again(
+    redis_url: str, tiny: tuple, its_last_step: str, caplog: pytest.LogCaptureFixture
+) -> None:
     """The kvstore dies (SIGKILL) under a worker with requests in flight and comes back on the
     same endpoint with a new pool: the worker recovers by itself (registers again, maps the new
     pool, rebuilds its requests from Redis, recomputes them) and the greedy output is the one
-    an uninterrupted run gives."""
+    an uninterrupted run gives. The worker takes a Step's reply a turn later, so the kill
+    always lands with one unanswered: just sent ("sent": the daemon may have answered it
+    before it died), or sent to a daemon already stopped ("never read": its reply never
+    comes, and the worker gives up on it after its timeout)."""
     prompts = prompts_of([30, 9, 50], seed=4)
     redis.Redis.from_url(redis_url).flushdb()
     kv_flags = ["--model", "tiny", "--dtype", "float32", *FLAGS]
@@ -148,6 +156,18 @@ def test_a_restarted_kvstore_is_registered_with_again(redis_url: str, tiny: tupl
     try:
         with KVClient(endpoint, timeout_s=2) as kv:
             engine = engine_mid_stream("w-restart", tiny, kv, redis_url, prompts)
+            if its_last_step == "never read":
+                send = engine.kvsync.send
+
+                def stop_then_send(computed: set[str]) -> Sent:
+                    first.send_signal(signal.SIGSTOP)  # the Step below is never read
+                    return send(computed)
+
+                engine.kvsync.send = stop_then_send  # type: ignore[method-assign]
+                engine.step(block_ms=50)  # takes the last reply, sends the Step never read
+                engine.kvsync.send = send  # type: ignore[method-assign]
+            reporting = dict(engine.unanswered_reports)
+            assert set(reporting) == set(prompts), reporting  # n = 1: a sequence per request
             first.kill()
             first.wait()
             second, _ = start_kvstore(*kv_flags, endpoint=endpoint)
@@ -155,6 +175,7 @@ def test_a_restarted_kvstore_is_registered_with_again(redis_url: str, tiny: tupl
             stats = kv.call(p.GetStats(0))
         assert_greedy(engine, prompts, tiny[2])
         assert isinstance(stats, p.Stats) and stats.gpu.used == 0 and not stats.requests
+        assert "lost the kvstore or Redis" in caplog.text  # rebuilt, not carried on by chance
     finally:
         stop_process(first)
         if second is not None:
