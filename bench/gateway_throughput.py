@@ -147,8 +147,9 @@ def main() -> None:
         f"{result['output_tok_s']:.0f} out tok/s through the gateway (engine step "
         f"{args.step_ms} ms: {args.requests / args.step_ms * 1e3:.0f} tok/s offered; "
         f"{args.gateways} gateway process(es)), TTFT p50 {result['ttft_ms']['p50']:.0f} ms, "
-        f"TPOT p50 "
-        f"{result['tpot_ms']['p50']:.2f} ms; gateway CPU {spent:.2f} s = "
+        f"TPOT p50 {result['tpot_ms']['p50']:.2f} ms, "
+        f"ITL p50 / p99 {result['itl_ms']['p50']:.2f} / {result['itl_ms']['p99']:.1f} ms; "
+        f"gateway CPU {spent:.2f} s = "
         f"{spent / tokens * 1e6:.1f} us per token (one core: at most "
         f"{tokens / spent if spent else 0:.0f} tok/s)"
     )

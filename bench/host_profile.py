@@ -41,6 +41,7 @@ def main() -> None:
     from bench.serve import serve_jobs, stack_on
     from compute.engine import Engine
     from compute.scheduler import SchedulerConfig
+    from contracts.heap import tune_gc_for_serving
     from contracts.tokenizer import BOS, EOS, PAD, byte_tokenizer
     from kvstore.client import KVClient
 
@@ -65,6 +66,7 @@ def main() -> None:
                 SchedulerConfig(args.requests, 8192), [(1, 0.0), (1024, 0.001)],
             )  # fmt: skip
             serve_jobs(engine, url, jobs[:4], "warmup")
+            tune_gc_for_serving()  # as the worker does once it serves
             profiler = cProfile.Profile() if args.profile else None
             if profiler:
                 profiler.enable()

@@ -15,6 +15,7 @@ import redis
 from compute.scheduler import SchedulerConfig
 from contracts import queue_keys
 from contracts.endpoints import DEFAULT_ENDPOINT
+from contracts.heap import tune_gc_for_serving
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -111,6 +112,7 @@ def run(config: ComputeConfig, scheduling: SchedulerConfig) -> None:
         )
         if engine is None:
             return
+        tune_gc_for_serving()
         log.info(
             "worker %s serving (redis %s, kvstore %s)", worker_id, config.redis_url, config.kvstore
         )

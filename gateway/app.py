@@ -24,6 +24,7 @@ import redis
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from contracts.heap import tune_gc_for_serving
 from gateway import admin, admin_page, openai_api
 from gateway.config import ADMIN_TOKEN_ENV, GatewayConfig
 from gateway.errors import APIError, Handler, error_middleware
@@ -167,8 +168,10 @@ def run(config: GatewayConfig) -> None:
         model.context_len,
         "the tokenizer's" if getattr(model.tokenizer, "chat_template", None) else "plain",
     )
+    app = create_app(config, model, admin_token, api_key)
+    tune_gc_for_serving()
     try:
-        asyncio.run(serve(create_app(config, model, admin_token, api_key), config))
+        asyncio.run(serve(app, config))
     except PortInUse as err:
         raise SystemExit(f"pagedserve gateway: {err}") from None
 

@@ -24,6 +24,7 @@ import msgspec
 import zmq
 
 from contracts.endpoints import DEFAULT_ENDPOINT, TOKEN_ENV, env_token
+from contracts.heap import tune_gc_for_serving
 from kvstore import protocol as p
 from kvstore.manager import KVCacheManager
 from kvstore.security import (
@@ -392,6 +393,7 @@ def run(config: KVStoreConfig) -> None:
 
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
+    tune_gc_for_serving()
     try:
         daemon.serve_forever(service)
     finally:

@@ -248,3 +248,14 @@ def test_a_dead_gateways_requests_are_aborted_by_the_workers(stack: Stack) -> No
         if last.error and "gateway" in last.error:
             errors.append(last.error)
     assert len(errors) == 3, errors
+
+
+def test_the_worker_and_the_gateway_tune_their_collectors_before_serving(stack: Stack) -> None:
+    """``contracts.heap.tune_gc_for_serving`` ran in both, once start-up was done (the worker
+    registers with the kvstore, and so answers /health, a moment before it serves)."""
+    for log in [stack.logs / "worker.log", *stack.logs.glob("gateway-*.log")]:
+        deadline = time.monotonic() + 30
+        while "garbage collector:" not in (text := log.read_text(errors="replace")):
+            assert time.monotonic() < deadline, (log.name, text[-2000:])
+            time.sleep(0.1)
+        assert text.count("garbage collector:") == 1 and "start-up objects frozen" in text
