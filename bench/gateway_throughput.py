@@ -139,6 +139,8 @@ def main() -> None:
         kvstore.send_signal(2)
         kvstore.wait(30)
         server.stop()
+    if result["failed"]:
+        print(f"{result['failed']} requests failed: {result['errors']}")
     tokens = result["output_tokens"]
     if not tokens:
         raise SystemExit(f"no token came back: {result['failed']} failed, {result['errors'][:3]}")
