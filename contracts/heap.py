@@ -6,8 +6,10 @@ model's modules), and under traffic each full collection walked those hundreds o
 objects again. Its young collections ran every 700 allocations, so short-lived per-token
 objects (a gateway's deltas waiting for their stream, 40,000 of them at 1,000 streams) were
 promoted and soon paid for in full collections. Measured on a gateway streaming to 1,000
-clients (``bench/gateway_throughput.py``, BENCHMARKS.md, issue 11): 14 full collections took
-2.7 s of its 5.5 s of CPU, one stalling every stream for 338 ms.
+clients on the 2-core development VM (``bench/gateway_throughput.py``, BENCHMARKS.md, issue
+11): 7 full collections took 1.8-2.2 s while its timed run used 4.6-5.7 s of CPU, the longest
+stalling every stream for 300-383 ms; a CPU worker serving 1,000 requests ran 6 of them
+(1.2 s, up to 219 ms each).
 """
 
 from __future__ import annotations
