@@ -79,7 +79,9 @@ def main() -> None:
     for phase, seconds in result["phases"].items():
         print(f"  {phase:>10}: {1e3 * seconds / steps:6.2f} ms per step")
     if profiler:
-        pstats.Stats(profiler).sort_stats(args.sort).print_stats(args.top)
+        pstats.Stats(profiler).sort_stats(args.sort).print_stats(
+            int(args.top) if args.top.isdigit() else args.top
+        )
 
 
 if __name__ == "__main__":
