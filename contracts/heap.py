@@ -28,12 +28,12 @@ YOUNG_COLLECTION_EVERY = 10_000  # allocations between young collections (CPytho
 def tune_gc_for_serving() -> int:
     """Collects what start-up left as garbage, moves every object alive now into the
     collector's permanent generation (``gc.freeze``: no collection traverses it again, and
-    nothing frozen is freed before exit), and runs young collections
-    every ``YOUNG_COLLECTION_EVERY`` allocations. Call once per process, when start-up is done
-    and before serving. Logs and returns how many objects were frozen."""
+    nothing frozen is freed before exit), and runs young collections every
+    ``YOUNG_COLLECTION_EVERY`` allocations. Call once per process, when start-up is done and
+    before serving. Logs and returns how many objects were frozen."""
     gc.collect()
     gc.freeze()
-    atexit.register(gc.unfreeze)  # at exit, leaks checks (nanobind's) see the heap freed
+    atexit.register(gc.unfreeze)  # so leak checks at exit (nanobind's) see the heap freed
     _, older, oldest = gc.get_threshold()
     gc.set_threshold(YOUNG_COLLECTION_EVERY, older, oldest)
     frozen = gc.get_freeze_count()
