@@ -4,12 +4,12 @@ CPython's full collections traverse every tracked object. A service's heap is mo
 start-up made and keeps for life (imported modules, torch and transformers, the tokenizer, the
 model's modules), and under traffic each full collection walked those hundreds of thousands of
 objects again. Its young collections ran every 700 allocations, so short-lived per-token
-objects (a gateway's deltas waiting for their stream, 40,000 of them at 1,000 streams) were
-promoted and soon paid for in full collections. Measured on a gateway streaming to 1,000
-clients on the 2-core development VM (``bench/gateway_throughput.py``, BENCHMARKS.md, issue
-11): 7 full collections took 1.8-2.2 s while its timed run used 4.6-5.7 s of CPU, the longest
-stalling every stream for 300-383 ms; a CPU worker serving 1,000 requests ran 6 of them
-(1.2 s, up to 219 ms each).
+objects (a gateway's deltas waiting for their stream) were promoted and soon paid for in full
+collections. Measured on a gateway streaming to 1,000 clients on the 2-core development VM
+(``bench/gateway_throughput.py``, BENCHMARKS.md, issue 11, tenth pass): 12 full collections
+took 3.1-3.3 s while its timed run used 6.8-7.4 s of CPU, the longest stalling every stream
+for ~300 ms; tuned, its collections took 0.06-0.10 s. A CPU worker serving 1,000 requests ran
+6 full collections (1.2 s, up to 219 ms each); tuned, one young one.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ __all__ = ["YOUNG_COLLECTION_EVERY", "tune_gc_for_serving"]
 
 log = logging.getLogger(__name__)
 
-YOUNG_COLLECTION_EVERY = 10_000  # allocations between young collections (CPython's default: 700)
+YOUNG_COLLECTION_EVERY = 30_000  # allocations between young collections (CPython's default: 700)
 
 
 def tune_gc_for_serving() -> int:
