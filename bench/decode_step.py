@@ -7,7 +7,7 @@ events around the replay alone time the device (no host gap inside). The rooflin
 weight once and every request's K/V once at ``--copy-tb-s`` (the H200's measured device copy).
 
     python bench/decode_step.py [--shape 1b] [--batch 128] [--context 600] [--copy-tb-s 4.28]
-        [--profile] [--unfused] [--prefill N [--graph-tokens M] [--host-profile]]
+        [--profile] [--blas cublaslt] [--unfused] [--prefill N [--graph-tokens M] [--host-profile]]
 
 ``--profile`` also lists the kernels of one replay (``torch.profiler``): device time and count
 per kernel name, and how much of the replay is kernel time (the rest: gaps between kernels).
@@ -45,6 +45,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--profile", action="store_true", help="list the kernels of a replay")
     parser.add_argument(
+        "--blas",
+        choices=["cublas", "cublaslt"],
+        default="cublas",
+        help="the BLAS torch's matrix products use (torch.backends.cuda.preferred_blas_library)",
+    )
+    parser.add_argument(
         "--unfused", action="store_true", help="transformers' own norm and attention forwards"
     )
     parser.add_argument("--prefill", type=int, default=0, help="time a mixed step: N prompt tokens")
@@ -53,6 +59,7 @@ def main() -> None:
         "--graph-tokens", type=int, default=0, help="mixed step: CUDA graphs up to N tokens"
     )
     args = parser.parse_args()
+    torch.backends.cuda.preferred_blas_library(args.blas)
     config = SHAPES[args.shape]()
     model = build_model(config, "paged", fused=not args.unfused)
     bs, layers = 16, int(config.num_hidden_layers)

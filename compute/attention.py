@@ -39,6 +39,7 @@ __all__ = [
     "check_window",
     "copy_blocks_inplace",
     "paged_attention_forward",
+    "paged_layer",
     "store_kv_inplace",
 ]
 
@@ -129,6 +130,32 @@ def paged_attention_forward(
     causal structure comes from ``paged`` (positions and context lengths), not from a mask.
     """
     del dropout, kwargs  # inference only; other model kwargs (position_ids, ...) are not needed
+    layer = paged_layer(module, attention_mask, paged, sliding_window, softcap)
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    assert query.shape[0] == 1, f"packed batch expected, got query {tuple(query.shape)}"
+    q = query[0].transpose(0, 1)  # [T, Hq, D]
+    k = key[0].transpose(0, 1)  # [T, Hkv, D]
+    v = value[0].transpose(0, 1)  # [T, Hkv, D]
+    if q.is_cuda:
+        from kernels import store_kv as store
+    else:
+        store = store_kv_inplace
+    assert paged is not None  # paged_layer refuses None
+    store(k, v, paged.pool[:, layer, 0], paged.pool[:, layer, 1], paged.slot_mapping)
+    return attend(q, layer, paged, scaling).unsqueeze(0), None  # [1, T, Hq, D]
+
+
+def paged_layer(
+    module: torch.nn.Module,
+    attention_mask: torch.Tensor | None,
+    paged: PagedBatch | None,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> int:
+    """What every paged attention call checks first (a ``paged`` batch, no mask, no softcap, a
+    window no context reaches); reports the layer to ``paged.observe``; returns the layer
+    index (``module.layer_idx``), which picks the layer's pool views."""
     if paged is None:
         raise ValueError(
             f"attn_implementation={ATTN_NAME!r} needs model(..., paged=PagedBatch(...))"
@@ -138,21 +165,10 @@ def paged_attention_forward(
     if softcap is not None:
         raise NotImplementedError("paged attention does not support logit softcapping")
     check_window(sliding_window, paged.max_context_len)  # 0 in a graph: checked at replay
-    assert query.shape[0] == 1, f"packed batch expected, got query {tuple(query.shape)}"
     layer = cast(int, module.layer_idx)  # torch types a Module's attributes Tensor | Module
     if paged.observe is not None:
         paged.observe(layer, sliding_window)
-    if scaling is None:
-        scaling = query.shape[-1] ** -0.5
-    q = query[0].transpose(0, 1)  # [T, Hq, D]
-    k = key[0].transpose(0, 1)  # [T, Hkv, D]
-    v = value[0].transpose(0, 1)  # [T, Hkv, D]
-    if q.is_cuda:
-        from kernels import store_kv as store
-    else:
-        store = store_kv_inplace
-    store(k, v, paged.pool[:, layer, 0], paged.pool[:, layer, 1], paged.slot_mapping)
-    return attend(q, layer, paged, scaling).unsqueeze(0), None  # [1, T, Hq, D]
+    return layer
 
 
 def check_window(sliding_window: int | None, max_context_len: int) -> None:

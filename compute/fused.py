@@ -10,8 +10,8 @@ transformers' own):
 
 - every RMSNorm module's ``forward`` to ``kernels.rms_norm`` (one kernel);
 - every attention module's ``forward`` to ``attention_forward``: one q/k/v product (biases
-  included), Qwen3's per-head q/k norms, ``kernels.rotary`` (q and k in one kernel, written
-  token-major), then the paged attention function directly;
+  included), Qwen3's per-head q/k norms, ``kernels.rotary_store`` (q and k rotated, q written
+  token-major, k and v stored in the pool: one kernel), then the paged attention directly;
 - every gated SiLU MLP's ``forward`` to ``mlp_forward``: one gate/up product, then
   ``kernels.silu_mul``;
 - every decoder layer whose attention and MLP were both rebound to ``decoder_layer_forward``:
@@ -33,7 +33,8 @@ from typing import Any
 import torch
 from torch.nn import functional
 
-from compute.attention import paged_attention_forward
+from compute.attention import attend as attend_paged
+from compute.attention import paged_layer
 
 __all__ = [
     "Fused",
@@ -99,11 +100,17 @@ def attend(
     past_key_values: object,
     **kwargs: Any,
 ) -> torch.Tensor:
-    """``attention_forward`` up to the o product: [1, T, heads * head_dim]."""
-    from kernels import rotary
+    """``attention_forward`` up to the o product: [1, T, heads * head_dim]. The rotary
+    embedding and the K/V store are one kernel (``kernels.rotary_store``); ``kwargs`` carry the
+    step's ``paged`` batch."""
+    from kernels import rotary_store
 
     if past_key_values is not None:
         raise ValueError("the paged forward keeps K/V in the pool, not in past_key_values")
+    window = getattr(self, "sliding_window", getattr(self.config, "sliding_window", None))
+    paged = kwargs.get("paged")
+    layer = paged_layer(self, attention_mask, paged, window, None)
+    assert paged is not None  # paged_layer refuses None
     tokens, head_dim = hidden_states.shape[1], self.head_dim
     qkv = functional.linear(hidden_states[0], self.qkv_weight, self.qkv_bias)
     q_size, kv_size = self.q_proj.out_features, self.k_proj.out_features
@@ -113,19 +120,11 @@ def attend(
     if hasattr(self, "q_norm"):  # Qwen3: an RMSNorm per head before the rotary embedding
         q, k = self.q_norm(q), self.k_norm(k)
     cos, sin = position_embeddings
-    q, k = rotary(q, k, cos[0].contiguous(), sin[0].contiguous())
-    window = getattr(self, "sliding_window", getattr(self.config, "sliding_window", None))
-    out, _ = paged_attention_forward(
-        self,
-        q.transpose(0, 1).unsqueeze(0),  # [1, heads, T, D] views of token-major tensors
-        k.transpose(0, 1).unsqueeze(0),
-        v.transpose(0, 1).unsqueeze(0),
-        attention_mask,
-        scaling=self.scaling,
-        sliding_window=window,
-        **kwargs,
-    )
-    return out.reshape(*hidden_states.shape[:-1], -1)
+    k_cache, v_cache = paged.pool[:, layer, 0], paged.pool[:, layer, 1]
+    q = rotary_store(q, k, v, cos[0].contiguous(), sin[0].contiguous(), k_cache, v_cache,
+                     paged.slot_mapping)  # fmt: skip
+    out = attend_paged(q, layer, paged, self.scaling)  # [T, heads, D]
+    return out.view(*hidden_states.shape[:-1], -1)
 
 
 def mlp_forward(self: Any, x: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ _LAUNCHERS = {
     "prefill_tile_tokens": "kernels.prefill",
     "prefill_tiles": "kernels.prefill",
     "rms_norm": "kernels.layer_ops",
-    "rotary": "kernels.layer_ops",
+    "rotary_store": "kernels.layer_ops",
     "silu_mul": "kernels.layer_ops",
 }
 
@@ -32,7 +32,7 @@ __all__ = [
     "prefill_tile_tokens",
     "prefill_tiles",
     "rms_norm",
-    "rotary",
+    "rotary_store",
     "silu_mul",
     "store_kv",
 ]

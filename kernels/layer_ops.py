@@ -1,6 +1,7 @@
-"""The decoder layer's small ops, fused: ``rms_norm`` (one kernel instead of seven), ``rotary``
-(q and k rotated in one kernel instead of ten, written token-major for attention) and
-``silu_mul`` (the gated MLP's activation: one kernel instead of two).
+"""The decoder layer's small ops, fused: ``rms_norm`` (one kernel instead of seven),
+``rotary_store`` (q and k rotated, q written token-major for attention, k and v stored in their
+cache slots: one kernel instead of ten and the K/V store) and ``silu_mul`` (the gated MLP's
+activation: one kernel instead of two).
 
 Each computes in fp32 and rounds once, to the input dtype. transformers' ``LlamaRMSNorm``,
 ``apply_rotary_pos_emb`` and ``LlamaMLP`` round after every torch op instead (the GPU compiler
@@ -14,10 +15,17 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from kernels._checks import CACHE_DTYPES, check_dense, check_tensor, next_pow2
+from kernels._checks import (
+    CACHE_DTYPES,
+    check_cache_pair,
+    check_dense,
+    check_index,
+    check_tensor,
+    next_pow2,
+)
 from kernels._tl_utils import jit
 
-__all__ = ["rms_norm", "rotary", "silu_mul"]
+__all__ = ["rms_norm", "rotary_store", "silu_mul"]
 
 
 @jit
@@ -67,10 +75,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 @jit
 def _rotate_heads(
-    x_ptr: tl.tensor,
-    o_ptr: tl.tensor,
-    t: tl.tensor,
-    stride_xt: tl.tensor,
+    src: tl.tensor,
+    dst: tl.tensor,
     c1: tl.tensor,
     c2: tl.tensor,
     s1: tl.tensor,
@@ -81,38 +87,43 @@ def _rotate_heads(
     HEADS_PAD: tl.constexpr,
     HALF: tl.constexpr,
 ) -> None:
-    """Rotates the [HEADS, 2 * HALF] row of token ``t``: out = x * cos + rotate_half(x) * sin,
-    with rotate_half(x) = cat(-x2, x1)."""
+    """Rotates one token's [HEADS, 2 * HALF] row at ``src`` into ``dst`` (both contiguous within
+    the token): out = x * cos + rotate_half(x) * sin, with rotate_half(x) = cat(-x2, x1)."""
     h = tl.arange(0, HEADS_PAD)
     mask = (h < HEADS)[:, None] & j_mask[None, :]
     offs = h[:, None] * (2 * HALF) + j[None, :]
-    src = x_ptr + t * stride_xt + offs
-    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-    dt = o_ptr.dtype.element_ty
-    dst = o_ptr + t * (HEADS * 2 * HALF) + offs
-    tl.store(dst, (x1 * c1[None, :] - x2 * s1[None, :]).to(dt), mask=mask)
-    tl.store(dst + HALF, (x2 * c2[None, :] + x1 * s2[None, :]).to(dt), mask=mask)
+    x1 = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + offs + HALF, mask=mask, other=0.0).to(tl.float32)
+    dt = dst.dtype.element_ty
+    tl.store(dst + offs, (x1 * c1[None, :] - x2 * s1[None, :]).to(dt), mask=mask)
+    tl.store(dst + offs + HALF, (x2 * c2[None, :] + x1 * s2[None, :]).to(dt), mask=mask)
 
 
-@jit(varying=("stride_qt", "stride_kt"))
-def _rotary_kernel(
+@jit(varying=("stride_qt", "stride_kt", "stride_vt"))
+def _rotary_store_kernel(
     q_ptr: tl.tensor,
     k_ptr: tl.tensor,
+    v_ptr: tl.tensor,
     cos_ptr: tl.tensor,
     sin_ptr: tl.tensor,
     qo_ptr: tl.tensor,
-    ko_ptr: tl.tensor,
+    k_cache_ptr: tl.tensor,
+    v_cache_ptr: tl.tensor,
+    slot_ptr: tl.tensor,
     stride_qt: tl.tensor,
     stride_kt: tl.tensor,
+    stride_vt: tl.tensor,
+    stride_cb: tl.tensor,
     Q_HEADS: tl.constexpr,
     Q_PAD: tl.constexpr,
     K_HEADS: tl.constexpr,
     K_PAD: tl.constexpr,
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
 ) -> None:
-    """One program per token: its cos/sin row read once, every q and k head rotated."""
+    """One program per token: its cos/sin row read once, every q head rotated into ``qo``, every
+    k head rotated and every v head copied into the token's cache slot (none for slot -1)."""
     t = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, HALF_PAD)
     j_mask = j < HALF
@@ -121,43 +132,71 @@ def _rotary_kernel(
     c2 = tl.load(cos_ptr + row + HALF + j, mask=j_mask, other=0.0).to(tl.float32)
     s1 = tl.load(sin_ptr + row + j, mask=j_mask, other=0.0).to(tl.float32)
     s2 = tl.load(sin_ptr + row + HALF + j, mask=j_mask, other=0.0).to(tl.float32)
-    _rotate_heads(q_ptr, qo_ptr, t, stride_qt, c1, c2, s1, s2, j, j_mask, Q_HEADS, Q_PAD, HALF)
-    _rotate_heads(k_ptr, ko_ptr, t, stride_kt, c1, c2, s1, s2, j, j_mask, K_HEADS, K_PAD, HALF)
+    q_dst = qo_ptr + t * (Q_HEADS * 2 * HALF)
+    _rotate_heads(q_ptr + t * stride_qt, q_dst, c1, c2, s1, s2, j, j_mask, Q_HEADS, Q_PAD, HALF)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:
+        dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * (K_HEADS * 2 * HALF)
+        k_src = k_ptr + t * stride_kt
+        _rotate_heads(k_src, k_cache_ptr + dst, c1, c2, s1, s2, j, j_mask, K_HEADS, K_PAD, HALF)
+        h = tl.arange(0, K_PAD)
+        d = tl.arange(0, 2 * HALF_PAD)
+        offs = h[:, None] * (2 * HALF) + d[None, :]
+        mask = (h < K_HEADS)[:, None] & (d < 2 * HALF)[None, :]
+        v = tl.load(v_ptr + t * stride_vt + offs, mask=mask)
+        tl.store(v_cache_ptr + dst + offs, v, mask=mask)
 
 
-def rotary(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotary embedding of q and k (the "rotate half" layout of Llama-family models); returns
-    new (q, k), contiguous and shaped like the inputs.
+def rotary_store(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """The rotary embedding of q and k (the "rotate half" layout of Llama-family models) and
+    the paged forward's K/V store, in one kernel. Returns the rotated q, new and contiguous;
+    writes the rotated k[t] and v[t] into slot ``slot_mapping[t]`` of k_cache / v_cache (in
+    place; slot -1 is padding: nothing written). Reads q, k, v, cos, sin; writes nothing else.
 
-    q: [T, q_heads, D]; k: [T, kv_heads, D], each contiguous within a token (any token stride:
-    slices of a fused qkv projection); cos, sin: [T, D] contiguous (a row per token, both
-    halves, as transformers' rotary modules build them); D even; one dtype (fp16/bf16/fp32),
-    one device.
+    q: [T, q_heads, D]; k, v: [T, kv_heads, D], each contiguous within a token (any token
+    stride: slices of a fused qkv projection); cos, sin: [T, D] contiguous (a row per token,
+    both halves, as transformers' rotary modules build them); D even; k_cache, v_cache:
+    [num_blocks, block_size, kv_heads, D] (``check_cache_pair``); slot_mapping: [T] int64,
+    contiguous, slot = block * block_size + offset. One dtype (fp16/bf16/fp32), one device.
+    Not checked (values, no device sync): slots below num_blocks * block_size and distinct.
     """
     check_tensor("q", q, "[T, q_heads, D]", (None, None, None), CACHE_DTYPES)
     tokens, q_heads, head_dim = q.shape
-    dtypes = (q.dtype,)
-    check_tensor("k", k, "[T, kv_heads, D]", (tokens, None, head_dim), dtypes, q.device, "q", "q")
+    block_size, kv_heads, _ = check_cache_pair(k_cache, v_cache, (q.dtype,), q.device, "q")
+    dtypes, kv_shape = (q.dtype,), (tokens, kv_heads, head_dim)
+    for name, x in (("k", k), ("v", v)):
+        check_tensor(name, x, "[T, kv_heads, D]", kv_shape, dtypes, q.device, "q", "q")
+        check_dense(name, x, 1, "contiguous within a token")
     check_tensor("cos", cos, "[T, D]", (tokens, head_dim), dtypes, q.device, "q", "q")
     check_tensor("sin", sin, "[T, D]", (tokens, head_dim), dtypes, q.device, "q", "q")
     check_dense("q", q, 1, "contiguous within a token")
-    check_dense("k", k, 1, "contiguous within a token")
     check_dense("cos", cos, 0, "contiguous")
     check_dense("sin", sin, 0, "contiguous")
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"k_cache's head dim must be q's {head_dim}, got {k_cache.shape[3]}")
+    check_index("slot_mapping", slot_mapping, "[T]", tokens, torch.int64, q.device, "q")
     if head_dim % 2:
         raise ValueError(f"q's head dim must be even, got {head_dim}")
-    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if tokens == 0 or head_dim == 0:
-        return q_out, k_out
-    kv_heads, half = k.shape[1], head_dim // 2
-    _rotary_kernel[(tokens,)](
-        q, k, cos, sin, q_out, k_out, q.stride(0), k.stride(0),
+        return q_out
+    half = head_dim // 2
+    _rotary_store_kernel[(tokens,)](
+        q, k, v, cos, sin, q_out, k_cache, v_cache, slot_mapping,
+        q.stride(0), k.stride(0), v.stride(0), k_cache.stride(0),
         Q_HEADS=q_heads, Q_PAD=next_pow2(q_heads), K_HEADS=kv_heads, K_PAD=next_pow2(kv_heads),
-        HALF=half, HALF_PAD=next_pow2(half), num_warps=4,
+        HALF=half, HALF_PAD=next_pow2(half), BLOCK_SIZE=block_size, num_warps=4,
     )  # fmt: skip
-    return q_out, k_out
+    return q_out
 
 
 @jit(varying=("stride_xt",))

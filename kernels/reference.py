@@ -3,7 +3,7 @@
 One per launcher, covering its Triton kernels: ``paged_decode_reference`` (``_decode_kernel`` and
 its split-K ``_reduce_kernel``), ``paged_prefill_reference`` (``_prefill_kernel``),
 ``store_kv_reference`` (``_store_kv_kernel``), ``copy_blocks_reference``
-(``_copy_blocks_kernel``), ``rms_norm_reference``, ``rotary_reference`` and
+(``_copy_blocks_kernel``), ``rms_norm_reference``, ``rotary_store_reference`` and
 ``silu_mul_reference`` (``kernels.layer_ops``). ``gather_kv`` is their shared helper, not an oracle.
 
 Every function here computes in fp32, returns the input dtype, and never mutates its inputs
@@ -28,7 +28,7 @@ __all__ = [
     "paged_decode_reference",
     "paged_prefill_reference",
     "rms_norm_reference",
-    "rotary_reference",
+    "rotary_store_reference",
     "silu_mul_reference",
     "store_kv_reference",
 ]
@@ -179,11 +179,20 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return (weight.float() * x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def rotary_reference(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x * cos + rotate_half(x) * sin for x in q, k), rotate_half(x) = cat(-x2, x1). q: [T,
-    q_heads, D]; k: [T, kv_heads, D]; cos, sin: [T, D]."""
+def rotary_store_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rotated q, new k_cache, new v_cache): x * cos + rotate_half(x) * sin for x in q, k, with
+    rotate_half(x) = cat(-x2, x1), and the rotated k and v stored as ``store_kv_reference``
+    does. q: [T, q_heads, D]; k, v: [T, kv_heads, D]; cos, sin: [T, D]; caches: [num_blocks,
+    block_size, kv_heads, D]; slot_mapping: [T] (-1 skipped)."""
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
         half = x.shape[-1] // 2
@@ -191,7 +200,7 @@ def rotary_reference(
         turned = torch.cat((-x32[..., half:], x32[..., :half]), dim=-1)
         return (x32 * cos.float()[:, None] + turned * sin.float()[:, None]).to(x.dtype)
 
-    return rotate(q), rotate(k)
+    return rotate(q), *store_kv_reference(rotate(k), v, k_cache, v_cache, slot_mapping)
 
 
 def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
