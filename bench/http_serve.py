@@ -261,15 +261,19 @@ def reset_prefix_cache(url: str) -> None:
     print(f"prefix cache reset: {json.dumps(admin(url, '/admin/cache/reset', 'POST'))}")
 
 
-def run_transformers(model_dir: Path, requests: int, out: Path, python: str) -> dict[str, Any]:
+def run_transformers(
+    model_dir: Path, requests: int, out: Path, python: str, extra: str = ""
+) -> dict[str, Any]:
     """``transformers serve --continuous-batching --cb-use-cuda-graph`` run by ``python`` (an
     interpreter that has ``transformers[serving]``'s packages: ``bench/transformers_serving.sh``)
-    with the client's warm-up and run against it."""
+    with the client's warm-up and run against it; ``extra``: more of its flags (split on
+    spaces)."""
     port = free_port()
     cli = "from transformers.cli.transformers import main; main()"
     command = [python, "-c", cli, "serve", str(model_dir), "--port", str(port)]
     command += ["--device", "cuda"]
     command += ["--dtype", "bfloat16", "--continuous-batching", "--cb-use-cuda-graph"]
+    command += extra.split()
     (Path.home() / ".cache" / "huggingface" / "hub").mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_UPDATE_CHECK": "1"}
     process = subprocess.Popen(command, cwd=ROOT, env=env)
@@ -316,6 +320,12 @@ def main() -> None:
         help="the interpreter that runs transformers serve: one with the packages of "
         "transformers[serving] (bench/transformers_serving.sh install prints it)",
     )
+    parser.add_argument(
+        "--transformers-args",
+        default="",
+        help="extra flags of transformers serve (quoted; e.g. --cb-max-memory-percent 0.5: at "
+        "1000 requests its default KV cache left no room for the forward on the H200)",
+    )
     parser.add_argument("--skip-engine", action="store_true")
     parser.add_argument(
         "--gateways", default="1", help="comma-separated gateway process counts: a run each"
@@ -356,7 +366,11 @@ def main() -> None:
     if not args.skip_transformers:
         try:
             theirs = run_transformers(
-                model_dir, args.requests, args.out / "transformers.json", args.transformers_python
+                model_dir,
+                args.requests,
+                args.out / "transformers.json",
+                args.transformers_python,
+                args.transformers_args,
             )
         except RuntimeError as err:  # e.g. an image without transformers[serving]'s packages
             print(f"transformers serve did not run ({err}; its output is above): skipped")
