@@ -11,7 +11,12 @@ token streams as text. Both servers get the same requests (seeded): chat complet
 counts the tokens actually generated. Each server first gets 32 untimed warm-up requests.
 
     python bench/http_serve.py --shape 1b --requests 128 [--out DIR] [--skip-transformers]
-        [--transformers-python PY] [--skip-pagedserve] [--skip-engine] [--gateways 1,4]
+        [--transformers-python PY] [--transformers-args=FLAGS] [--skip-pagedserve]
+        [--skip-engine] [--gateways 1,4]
+
+At 1000 requests ``transformers serve``'s default cache runs the H200 out of memory (no request
+completes); a cache of a fixed size serves them:
+``--transformers-args='--cb-num-blocks 4096 --cb-max-batch-tokens 2048'`` (BENCHMARKS.md).
 
 ``transformers serve`` needs the packages of ``transformers[serving]``; on a host without a
 package index, ``bench/transformers_serving.sh`` downloads their wheels here and installs them

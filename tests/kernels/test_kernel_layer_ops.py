@@ -65,7 +65,7 @@ def scattered_slots(tokens: int, pool: torch.Tensor) -> torch.Tensor:
 
 def run_rotary_store(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``rotary_store`` into layer 1 of a random pool; checks that it wrote nothing but the
     slots' K/V (layer 0 and every other slot unchanged, v copied exactly). Returns (rotated q,
     the rotated k as stored in the written slots, the reference's, the reference's q)."""
