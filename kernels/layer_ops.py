@@ -171,7 +171,7 @@ def rotary_store(
     """
     check_tensor("q", q, "[T, q_heads, D]", (None, None, None), CACHE_DTYPES)
     tokens, q_heads, head_dim = q.shape
-    block_size, kv_heads, _ = check_cache_pair(k_cache, v_cache, (q.dtype,), q.device, "q")
+    block_size, kv_heads, cache_dim = check_cache_pair(k_cache, v_cache, (q.dtype,), q.device, "q")
     dtypes, kv_shape = (q.dtype,), (tokens, kv_heads, head_dim)
     for name, x in (("k", k), ("v", v)):
         check_tensor(name, x, "[T, kv_heads, D]", kv_shape, dtypes, q.device, "q", "q")
@@ -181,8 +181,8 @@ def rotary_store(
     check_dense("q", q, 1, "contiguous within a token")
     check_dense("cos", cos, 0, "contiguous")
     check_dense("sin", sin, 0, "contiguous")
-    if k_cache.shape[3] != head_dim:
-        raise ValueError(f"k_cache's head dim must be q's {head_dim}, got {k_cache.shape[3]}")
+    if cache_dim != head_dim:
+        raise ValueError(f"k_cache's head dim must be q's {head_dim}, got {cache_dim}")
     check_index("slot_mapping", slot_mapping, "[T]", tokens, torch.int64, q.device, "q")
     if head_dim % 2:
         raise ValueError(f"q's head dim must be even, got {head_dim}")
