@@ -65,6 +65,7 @@ from compute.timeline import TimelineLog
 from contracts import queue_keys, queue_worker
 from contracts.records import FinishReason, OutputRecord, RecordError, RequestRecord
 from contracts.tokenizer import output_decoder
+from kernels.compile_watch import CompileWatch
 from kvstore import protocol as p
 from kvstore.client import KVClient, KVStoreError, KVStoreTimeout
 from kvstore.mapping import map_pool
@@ -117,7 +118,8 @@ class Engine:
         # host seconds per phase of step(): redis_in (taking requests), launch (plan, pack,
         # enqueue the forward and the draw), process (waiting for the device, then the tokens'
         # host work), kvstore (sending the Step, waiting for its reply: kv_wait, applying it),
-        # redis_out (handing the records to the publisher)
+        # redis_out (handing the records to the publisher); compile (Triton variants built after
+        # start-up, part of launch, where kernels are launched: ``kernels.compile_watch``)
         self.phase_s: dict[str, float] = defaultdict(float)
         self.idle_s = 0.0  # an idle engine waiting for requests (in no phase), a counter
         self.steps = 0  # turns of step() that had work (an idle wait is not a step), a counter
@@ -127,6 +129,14 @@ class Engine:
         self._pool: p.PoolInfo | None = None
         self._grammars: Grammars | None = None  # made for the first guided request
         self._connect(redeliver=True)
+        # from here on a Triton kernel variant built stalls every request: logged, timed as
+        # the ``compile`` phase
+        self.compiles = CompileWatch(self._compiled)
+        if model.device.type == "cuda":
+            self.compiles.install()
+
+    def _compiled(self, kernel: str, seconds: float) -> None:
+        self.phase_s["compile"] += seconds
 
     # ------------------------------------------------------------------ connecting
     def _connect(self, redeliver: bool) -> None:
@@ -441,6 +451,7 @@ class Engine:
                     break
         self._drain_publisher()
         self.publisher.close()
+        self.compiles.uninstall()
         if not connected:
             log.warning("stopping without the kvstore or Redis: not unregistering")
             return

@@ -3,7 +3,8 @@
 Every ``every_s`` while the engine works, one line: steps and computed tokens per second, then
 per step the host milliseconds of each phase of ``Engine.phase_s`` (``launch`` = ``plan`` +
 ``forward`` + ``draw``; ``process`` includes ``wait``, the host waiting for the device;
-``kvstore`` includes ``kv_wait``, the wait for the kvstore's reply) and the
+``kvstore`` includes ``kv_wait``, the wait for the kvstore's reply; ``launch`` includes
+``compile``, Triton kernel variants built after start-up) and the
 device milliseconds (CUDA events around each step's device work). When ``wait`` is large and the
 device time is close to the step time, the device is the bottleneck; when the host phases add up
 to more than the device time, the host is.

@@ -9,7 +9,8 @@ window.PagedserveTimeline = (() => {
   // the engine's top-level phases, in step order (compute/engine.py); the others are parts of one
   const PHASES = ["redis_in", "launch", "process", "kvstore", "redis_out"];
   const PART_OF = {
-    plan: "launch", forward: "launch", draw: "launch", wait: "process", kv_wait: "kvstore",
+    plan: "launch", forward: "launch", draw: "launch", compile: "launch", wait: "process",
+    kv_wait: "kvstore",
   };
   const COLORS = {
     redis_in: "#9aa6b8", launch: "#2f6fde", process: "#1f9d55", kvstore: "#e08a1e",
