@@ -58,29 +58,40 @@ CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 
 def checkpoint(directory: Path, shape: str, byte_level: bool = False) -> Path:
     """A random-weight bf16 checkpoint with a word-level tokenizer (``byte_level``: a byte-level
-    one of the same vocabulary size, ``bench/byte_vocab.py``, which can spell JSON), built once."""
+    one of the same vocabulary size, ``bench/byte_vocab.py``, which can spell JSON), built once,
+    in a child process, and synced to disk before a server starts: built in this process, it
+    left a CUDA context and the caching allocator's copy of the weights (16 GB at 8B) here while
+    the servers ran, and the kvstore sizes its pool from the GPU's free memory."""
     if (directory / "config.json").exists():
         return directory
+    code = "import sys; from bench.http_serve import build_checkpoint as b; b(*sys.argv[1:])"
+    flags = [str(directory), shape, "bytes" if byte_level else "words"]
+    subprocess.run([sys.executable, "-c", code, *flags], cwd=ROOT, check=True)
+    os.sync()
+    return directory
+
+
+def build_checkpoint(directory: str, shape: str, vocab: str) -> None:
+    """``checkpoint``'s child: builds and saves it (``vocab``: ``words`` or ``bytes``)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from bench.serve import SHAPES
 
+    path = Path(directory)
     config = SHAPES[shape]()
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # 8B: minutes on a CPU
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(directory)
-    del model
-    if byte_level:
+    model.save_pretrained(path)
+    if vocab == "bytes":
         from bench.byte_vocab import byte_level_tokenizer
 
         tokenizer = byte_level_tokenizer(config.vocab_size)
         tokenizer.chat_template = CHAT_TEMPLATE
-        tokenizer.save_pretrained(directory)
-        return directory
-    save_word_level_tokenizer(directory, config.vocab_size)
-    return directory
+        tokenizer.save_pretrained(path)
+    else:
+        save_word_level_tokenizer(path, config.vocab_size)
 
 
 def save_word_level_tokenizer(directory: Path, vocab_size: int) -> None:
@@ -176,12 +187,15 @@ def run_pagedserve(
     guided: list[float] | None = None,
     gateways: int = 1,
     kvstore_args: str = "",
+    max_num_seqs: int = 256,
 ) -> list[dict[str, Any]]:
     """The client's runs against one ``pagedserve up`` (``gateways`` gateway processes, extra
-    ``kvstore_args``): the standard workload, or one run per fraction of ``guided`` (same seed:
-    the same prompts, a growing share of them guided)."""
+    ``kvstore_args``, a worker running ``max_num_seqs`` at most): the standard workload, or one
+    run per fraction of ``guided`` (same seed: the same prompts, a growing share of them
+    guided)."""
     redis_dir = out.parent / "redis"
-    with pagedserve_up(str(model_dir), redis_dir, "cuda", kvstore_args, gateways) as url:
+    up = pagedserve_up(str(model_dir), redis_dir, "cuda", kvstore_args, gateways, max_num_seqs)
+    with up as url:
         if guided is None:
             warm_up(url, model_dir.name, model_dir, out, ignore_eos=True)
             before = timelines(url)
@@ -202,11 +216,17 @@ def run_pagedserve(
 
 @contextlib.contextmanager
 def pagedserve_up(
-    model: str, redis_dir: Path, device: str = "cuda", kvstore_args: str = "", gateways: int = 1
+    model: str,
+    redis_dir: Path,
+    device: str = "cuda",
+    kvstore_args: str = "",
+    gateways: int = 1,
+    max_num_seqs: int = 256,
 ) -> Iterator[str]:
     """``pagedserve up`` of ``model`` on ``device`` (``kvstore_args``: extra kvstore flags;
-    ``gateways``: gateway processes), with an admin token (``$PAGEDSERVE_ADMIN_TOKEN``, set if
-    unset); its URL once healthy; stopped (SIGINT) on leaving."""
+    ``gateways``: gateway processes; ``max_num_seqs``: the worker's), with an admin token
+    (``$PAGEDSERVE_ADMIN_TOKEN``, set if unset); its URL once healthy; stopped (SIGINT) on
+    leaving."""
     port = free_port()
     os.environ.setdefault(ADMIN_TOKEN_ENV, secrets.token_urlsafe(16))
     env = {
@@ -218,7 +238,7 @@ def pagedserve_up(
     command += ["--endpoint", f"ipc:///tmp/pagedserve-bench-{port}.sock"]  # a kvstore of its own
     if kvstore_args:
         command += [f"--kvstore-args={kvstore_args}"]
-    command += ["--gateways", str(gateways)]
+    command += ["--gateways", str(gateways), f"--compute-args=--max-num-seqs {max_num_seqs}"]
     process = subprocess.Popen(command, cwd=ROOT, env=env)
     try:
         wait_http(f"http://127.0.0.1:{port}/health", process, 900, ok=True)
@@ -339,6 +359,12 @@ def main() -> None:
         "--kvstore-args", default="", help="extra kvstore flags of pagedserve's runs (quoted)"
     )
     parser.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=256,
+        help="running requests per step at most, in pagedserve's worker and the engine alone",
+    )
+    parser.add_argument(
         "--guided-fractions",
         default="",
         help="comma-separated fractions of requests asking for JSON of a random schema (e.g. "
@@ -364,7 +390,12 @@ def main() -> None:
     for count in counts:
         out = args.out / f"pagedserve-{count}gw.json"
         [http[count]] = run_pagedserve(
-            model_dir, args.requests, out, gateways=count, kvstore_args=args.kvstore_args
+            model_dir,
+            args.requests,
+            out,
+            gateways=count,
+            kvstore_args=args.kvstore_args,
+            max_num_seqs=args.max_num_seqs,
         )
         label = "" if count == 1 else f", {count} gateway processes"
         rows.append(row(f"pagedserve (HTTP{label})", http[count]))
@@ -386,7 +417,7 @@ def main() -> None:
                 print(f"pagedserve ({count} gateways) / transformers: {ratio:.2f}x")
     if not args.skip_engine:
         command = [sys.executable, "bench/serve.py", "--mode", "ours", "--shape", args.shape]
-        command += ["--requests", str(args.requests), "--max-num-seqs", "256"]  # the worker's
+        command += ["--requests", str(args.requests), "--max-num-seqs", str(args.max_num_seqs)]
         command += ["--tokenizer", str(model_dir)]  # the very requests of the HTTP runs
         done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=True)
         engine = json.loads(done.stdout.strip().splitlines()[-1])
