@@ -12,7 +12,7 @@ counts the tokens actually generated. Each server first gets 32 untimed warm-up 
 
     python bench/http_serve.py --shape 1b --requests 128 [--out DIR] [--skip-transformers]
         [--transformers-python PY] [--transformers-args=FLAGS] [--skip-pagedserve]
-        [--skip-engine] [--gateways 1,4]
+        [--skip-engine] [--gateways 1,4] [--max-num-seqs 256]
 
 At 1000 requests ``transformers serve``'s default cache runs the H200 out of memory (no request
 completes); a cache of a fixed size serves them:
