@@ -10,14 +10,19 @@ request that finishes makes room for the next. Each step costs
 - its matrix products: ``2 x non-embedding weights x tokens`` FLOPs at ``--products-tflops``,
   or a read of every weight at ``--copy-tb-s``, whichever is longer;
 - the lm_head on the sampled rows, at ``--products-tflops``;
-- its decodes' attention: every decode reads its context's K and V at ``--attention-tb-s``.
+- its decodes' attention: every decode reads its context's K and V at ``--attention-tb-s``;
+- the padding of the CUDA graph it replays: a decode-only step of at most ``--graph-batch``
+  requests runs its products over its decode graph's batch bucket (``compute.graphs``), any
+  other step of at most ``--graph-tokens`` tokens over its mixed graph's token bucket
+  (``compute.mixed_graphs``); the padded rows' products are priced as ``padding``. Larger steps
+  run eagerly, unpadded.
 
 Everything else (norms, rotary, activations, prompt attention, gaps between kernels, host time)
 is left out: the figure is a bound the kernels as measured cannot beat, and the distance of a
 measured run from it is what those parts and the schedule's shape cost.
 
     python bench/schedule_bound.py --shape 8b --requests 1000 --products-tflops 760 \\
-        --attention-tb-s 4.2
+        --attention-tb-s 4.2 [--graph-tokens 2048 --graph-batch 256]
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.http_serve import save_word_level_tokenizer
 from bench.serve import SHAPES, workload
+from compute.graphs import bucket_sizes
+from compute.mixed_graphs import token_buckets
 
 
 def bound(
@@ -40,16 +47,24 @@ def bound(
     flops: tuple[float, float],
     kv_bytes: float,
     rates: tuple[float, float, float],
+    graphs: tuple[list[int], list[int]] = ([], []),
 ) -> dict[str, float]:
     """Seconds per part for ``jobs`` (prompt length, output length). ``flops``: FLOPs per token
     of the products and of the lm_head; ``kv_bytes``: K and V bytes per context token (all
-    layers); ``rates``: (FLOP/s of products, bytes/s of a weight read, bytes/s of attention)."""
+    layers); ``rates``: (FLOP/s of products, bytes/s of a weight read, bytes/s of attention);
+    ``graphs``: the batch buckets of decode graphs and the token buckets of mixed graphs, each
+    ascending (none: every step unpadded). Also counts ``steps`` and ``padded_tokens``."""
     per_token, head = flops
     products_rate, copy_rate, attention_rate = rates
     weight_bytes = per_token  # 2 FLOPs per weight and token; 2 bytes per bf16 weight
+
+    def products(tokens: int) -> float:
+        return max(per_token * tokens / products_rate, weight_bytes / copy_rate)
+
     waiting = list(range(len(jobs)))[::-1]
     running: list[list[int]] = []  # [job, prompt tokens computed, output tokens drawn]
-    parts = {"products": 0.0, "lm_head": 0.0, "decode_attention": 0.0, "steps": 0.0}
+    parts = {"products": 0.0, "padding": 0.0, "lm_head": 0.0, "decode_attention": 0.0}
+    parts |= {"steps": 0.0, "padded_tokens": 0.0}
     while waiting or running:
         while waiting and len(running) < max_seqs:
             running.append([waiting.pop(), 0, 0])
@@ -60,6 +75,7 @@ def bound(
                 context += prompt + request[2]
                 request[2] += 1
                 left, tokens, sampled = left - 1, tokens + 1, sampled + 1
+        decodes = tokens
         for request in running:  # then prompt chunks, first come first served
             prompt = jobs[request[0]][0]
             if request[1] < prompt and left > 0:
@@ -68,7 +84,11 @@ def bound(
                 left, tokens = left - n, tokens + n
                 if request[1] == prompt:  # the chunk's last row draws the first token
                     request[2], sampled = 1, sampled + 1
-        parts["products"] += max(per_token * tokens / products_rate, weight_bytes / copy_rate)
+        buckets = graphs[0] if tokens == decodes else graphs[1]
+        padded = next((size for size in buckets if size >= tokens), tokens)
+        parts["products"] += products(tokens)
+        parts["padding"] += products(padded) - products(tokens)
+        parts["padded_tokens"] += padded - tokens
         parts["lm_head"] += head * sampled / products_rate
         parts["decode_attention"] += context * kv_bytes / attention_rate
         parts["steps"] += 1
@@ -85,6 +105,12 @@ def main() -> None:
     parser.add_argument("--products-tflops", type=float, default=760.0, help="measured, bf16")
     parser.add_argument("--copy-tb-s", type=float, default=4.28, help="device copy")
     parser.add_argument("--attention-tb-s", type=float, default=4.2, help="decode attention")
+    parser.add_argument(
+        "--graph-tokens", type=int, default=2048, help="the worker's, 0: no mixed graphs"
+    )
+    parser.add_argument(
+        "--graph-batch", type=int, default=256, help="the worker's, 0: no decode graphs"
+    )
     args = parser.parse_args()
     config = SHAPES[args.shape]()
     with tempfile.TemporaryDirectory() as directory:
@@ -107,15 +133,20 @@ def main() -> None:
         (2.0 * per_layer * layers, head),
         2.0 * 2 * kv_width * layers,  # K and V, bf16
         (args.products_tflops * 1e12, args.copy_tb_s * 1e12, args.attention_tb_s * 1e12),
+        (
+            bucket_sizes(args.graph_batch) if args.graph_batch > 0 else [],
+            token_buckets(args.graph_tokens) if args.graph_tokens > 0 else [],
+        ),
     )
-    seconds = parts["products"] + parts["lm_head"] + parts["decode_attention"]
+    seconds = parts["products"] + parts["padding"] + parts["lm_head"] + parts["decode_attention"]
     out = sum(max_tokens for _, max_tokens in jobs)
     print(
         f"{args.shape}, {args.requests} requests ({sum(p for p, _ in jobs)} prompt and {out} "
         f"output tokens), {args.max_num_seqs} seqs, {args.max_num_batched_tokens} tokens per "
         f"step: {parts['steps']:.0f} steps; bound {seconds:.2f} s (products "
-        f"{parts['products']:.2f}, lm_head {parts['lm_head']:.2f}, decode attention "
-        f"{parts['decode_attention']:.2f}) -> at most {out / seconds:.0f} output tok/s"
+        f"{parts['products']:.2f}, their graphs' padding {parts['padding']:.2f} for "
+        f"{parts['padded_tokens']:.0f} padded tokens, lm_head {parts['lm_head']:.2f}, decode "
+        f"attention {parts['decode_attention']:.2f}) -> at most {out / seconds:.0f} output tok/s"
     )
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from bench.schedule_bound import bound
 
+UNPADDED = {"padding": 0.0, "padded_tokens": 0}
+
 
 def test_steps_are_composed_as_the_scheduler_does_and_priced_exactly() -> None:
     """Two requests (prompt 3, output 2; prompt 2, output 1), 4 tokens per step. Step 1: the
@@ -11,6 +13,23 @@ def test_steps_are_composed_as_the_scheduler_does_and_priced_exactly() -> None:
     decodes over a context of 4, the second's last prompt token draws its only token. Products
     cost 2 FLOPs per token at 1 FLOP/s, at least a read of their 2 weight bytes."""
     parts = bound([(3, 2), (2, 1)], 2, 4, (2.0, 1.0), 1.0, (1.0, 1.0, 1.0))
-    assert parts == {"products": 8 + 4, "lm_head": 1 + 2, "decode_attention": 4, "steps": 2}
+    want = {"products": 8 + 4, "lm_head": 1 + 2, "decode_attention": 4, "steps": 2}
+    assert parts == want | UNPADDED
     small = bound([(1, 1)], 1, 4, (2.0, 1.0), 1.0, (1.0, 0.5, 1.0))  # the weight read wins
-    assert small == {"products": 4, "lm_head": 1, "decode_attention": 0, "steps": 1}
+    assert small == {"products": 4, "lm_head": 1, "decode_attention": 0, "steps": 1} | UNPADDED
+
+
+def test_graph_buckets_price_the_padded_rows() -> None:
+    """The same two requests with graphs: step 1 (4 tokens) fills mixed bucket 4; step 2 (a
+    decode and a prompt token: mixed) pads 2 tokens to bucket 4, 2 more rows of products at 2
+    FLOPs each. Then a decode-only step of 3 requests pads to decode bucket 4 (one row), and
+    one of more tokens than any bucket runs unpadded."""
+    graphs = ([1, 2, 4], [4, 8])
+    parts = bound([(3, 2), (2, 1)], 2, 4, (2.0, 1.0), 1.0, (1.0, 1.0, 1.0), graphs)
+    assert parts["products"] == 8 + 4 and parts["padding"] == 4 and parts["padded_tokens"] == 2
+    # three one-token prompts, then their decodes: step 1 mixed (3 -> 4), step 2 decodes (3 -> 4)
+    decodes = bound([(1, 2)] * 3, 3, 8, (2.0, 1.0), 1.0, (1.0, 1.0, 1.0), graphs)
+    assert decodes["steps"] == 2 and decodes["padded_tokens"] == 2 and decodes["padding"] == 4
+    # nine one-token prompts in one step: past the largest mixed bucket, eager and unpadded
+    eager = bound([(1, 1)] * 9, 9, 16, (2.0, 1.0), 1.0, (1.0, 1.0, 1.0), graphs)
+    assert eager["steps"] == 1 and eager["padded_tokens"] == 0 and eager["padding"] == 0
