@@ -424,7 +424,8 @@ def main() -> None:
         tok_s = engine["tokens"] / engine["seconds"]
         print(f"engine alone: {engine['steps']} steps, host seconds per phase {engine['phases']}, "
               f"device seconds {engine['device_s']}; per forward path (steps, device seconds, "
-              f"tokens) {engine['device_by_path']}")  # fmt: skip
+              f"tokens) {engine['device_by_path']}; "
+              f"{engine['preemptions']} preemptions")  # fmt: skip
         print(f"engine alone (bench/serve.py, the same requests as token ids): {tok_s:.0f}")
         for count, result in http.items():
             print(f"HTTP ({count} gateways) / engine alone: {result['output_tok_s'] / tok_s:.2f}")
