@@ -13,6 +13,7 @@ counts the tokens actually generated. Each server first gets 32 untimed warm-up 
     python bench/http_serve.py --shape 1b --requests 128 [--out DIR] [--skip-transformers]
         [--transformers-python PY] [--transformers-args=FLAGS] [--skip-pagedserve]
         [--skip-engine] [--gateways 1,4] [--max-num-seqs 256]
+        [--max-num-batched-tokens 8192] [--prefill-interval 1]
 
 At 1000 requests ``transformers serve``'s default cache runs the H200 out of memory (no request
 completes); a cache of a fixed size serves them:
@@ -48,11 +49,14 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from compute.scheduler import SchedulerConfig  # noqa: E402
 from gateway.config import ADMIN_TOKEN_ENV  # noqa: E402
+from pagedserve.config import add_arguments, from_namespace, to_flags  # noqa: E402
 from pagedserve.redis_server import free_port  # noqa: E402
 
 # The engines send their step totals about once a second: after a run, wait for the next ones.
 TIMELINE_WAIT_S = 1.5
+WORKER_DEFAULTS = SchedulerConfig()  # frozen
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 
 
@@ -187,14 +191,14 @@ def run_pagedserve(
     guided: list[float] | None = None,
     gateways: int = 1,
     kvstore_args: str = "",
-    max_num_seqs: int = 256,
+    scheduling: SchedulerConfig = WORKER_DEFAULTS,
 ) -> list[dict[str, Any]]:
     """The client's runs against one ``pagedserve up`` (``gateways`` gateway processes, extra
-    ``kvstore_args``, a worker running ``max_num_seqs`` at most): the standard workload, or one
+    ``kvstore_args``, a worker scheduling as ``scheduling`` says): the standard workload, or one
     run per fraction of ``guided`` (same seed: the same prompts, a growing share of them
     guided)."""
     redis_dir = out.parent / "redis"
-    up = pagedserve_up(str(model_dir), redis_dir, "cuda", kvstore_args, gateways, max_num_seqs)
+    up = pagedserve_up(str(model_dir), redis_dir, "cuda", kvstore_args, gateways, scheduling)
     with up as url:
         if guided is None:
             warm_up(url, model_dir.name, model_dir, out, ignore_eos=True)
@@ -221,10 +225,10 @@ def pagedserve_up(
     device: str = "cuda",
     kvstore_args: str = "",
     gateways: int = 1,
-    max_num_seqs: int = 256,
+    scheduling: SchedulerConfig = WORKER_DEFAULTS,
 ) -> Iterator[str]:
     """``pagedserve up`` of ``model`` on ``device`` (``kvstore_args``: extra kvstore flags;
-    ``gateways``: gateway processes; ``max_num_seqs``: the worker's), with an admin token
+    ``gateways``: gateway processes; ``scheduling``: the worker's), with an admin token
     (``$PAGEDSERVE_ADMIN_TOKEN``, set if unset); its URL once healthy; stopped (SIGINT) on
     leaving."""
     port = free_port()
@@ -238,7 +242,7 @@ def pagedserve_up(
     command += ["--endpoint", f"ipc:///tmp/pagedserve-bench-{port}.sock"]  # a kvstore of its own
     if kvstore_args:
         command += [f"--kvstore-args={kvstore_args}"]
-    command += ["--gateways", str(gateways), f"--compute-args=--max-num-seqs {max_num_seqs}"]
+    command += ["--gateways", str(gateways), f"--compute-args={' '.join(to_flags(scheduling))}"]
     process = subprocess.Popen(command, cwd=ROOT, env=env)
     try:
         wait_http(f"http://127.0.0.1:{port}/health", process, 900, ok=True)
@@ -358,12 +362,7 @@ def main() -> None:
     parser.add_argument(
         "--kvstore-args", default="", help="extra kvstore flags of pagedserve's runs (quoted)"
     )
-    parser.add_argument(
-        "--max-num-seqs",
-        type=int,
-        default=256,
-        help="running requests per step at most, in pagedserve's worker and the engine alone",
-    )
+    add_arguments(parser, SchedulerConfig)  # pagedserve's worker's and the engine alone's
     parser.add_argument(
         "--guided-fractions",
         default="",
@@ -372,6 +371,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    scheduling = from_namespace(SchedulerConfig, args)
     rows = ["| server | completed | output tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | "
             "TPOT p50 ms |", "|---|---|---|---|---|---|"]  # fmt: skip
     if args.guided_fractions:
@@ -395,7 +395,7 @@ def main() -> None:
             out,
             gateways=count,
             kvstore_args=args.kvstore_args,
-            max_num_seqs=args.max_num_seqs,
+            scheduling=scheduling,
         )
         label = "" if count == 1 else f", {count} gateway processes"
         rows.append(row(f"pagedserve (HTTP{label})", http[count]))
@@ -417,7 +417,7 @@ def main() -> None:
                 print(f"pagedserve ({count} gateways) / transformers: {ratio:.2f}x")
     if not args.skip_engine:
         command = [sys.executable, "bench/serve.py", "--mode", "ours", "--shape", args.shape]
-        command += ["--requests", str(args.requests), "--max-num-seqs", str(args.max_num_seqs)]
+        command += ["--requests", str(args.requests), *to_flags(scheduling)]
         command += ["--tokenizer", str(model_dir)]  # the very requests of the HTTP runs
         done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=True)
         engine = json.loads(done.stdout.strip().splitlines()[-1])

@@ -48,12 +48,16 @@ def bound(
     kv_bytes: float,
     rates: tuple[float, float, float],
     graphs: tuple[list[int], list[int]] = ([], []),
+    prefill_interval: int = 1,
 ) -> dict[str, float]:
     """Seconds per part for ``jobs`` (prompt length, output length). ``flops``: FLOPs per token
     of the products and of the lm_head; ``kv_bytes``: K and V bytes per context token (all
     layers); ``rates``: (FLOP/s of products, bytes/s of a weight read, bytes/s of attention);
     ``graphs``: the batch buckets of decode graphs and the token buckets of mixed graphs, each
-    ascending (none: every step unpadded). Also counts ``steps`` and ``padded_tokens``."""
+    ascending (none: every step unpadded); ``prefill_interval``: a step with decodes carries
+    prompt chunks only if the ``prefill_interval - 1`` steps before it carried none (the
+    scheduler's). Also counts ``steps`` and ``padded_tokens``, and ``itl_p50``: the median of
+    the steps' seconds over the tokens they decode (a request's inter-token gap is its step)."""
     per_token, head = flops
     products_rate, copy_rate, attention_rate = rates
     weight_bytes = per_token  # 2 FLOPs per weight and token; 2 bytes per bf16 weight
@@ -65,6 +69,8 @@ def bound(
     running: list[list[int]] = []  # [job, prompt tokens computed, output tokens drawn]
     parts = {"products": 0.0, "padding": 0.0, "lm_head": 0.0, "decode_attention": 0.0}
     parts |= {"steps": 0.0, "padded_tokens": 0.0}
+    gaps: list[tuple[float, int]] = []  # (a step's seconds, its decodes)
+    quiet = prefill_interval  # steps since the last one with prompt tokens
     while waiting or running:
         while waiting and len(running) < max_seqs:
             running.append([waiting.pop(), 0, 0])
@@ -76,6 +82,8 @@ def bound(
                 request[2] += 1
                 left, tokens, sampled = left - 1, tokens + 1, sampled + 1
         decodes = tokens
+        if decodes and quiet + 1 < prefill_interval:
+            left = 0  # prompts wait for a later step
         for request in running:  # then prompt chunks, first come first served
             prompt = jobs[request[0]][0]
             if request[1] < prompt and left > 0:
@@ -86,14 +94,33 @@ def bound(
                     request[2], sampled = 1, sampled + 1
         buckets = graphs[0] if tokens == decodes else graphs[1]
         padded = next((size for size in buckets if size >= tokens), tokens)
-        parts["products"] += products(tokens)
-        parts["padding"] += products(padded) - products(tokens)
+        quiet = quiet + 1 if tokens == decodes else 0
+        step = {
+            "products": products(tokens),
+            "padding": products(padded) - products(tokens),
+            "lm_head": head * sampled / products_rate,
+            "decode_attention": context * kv_bytes / attention_rate,
+        }
+        for part, seconds in step.items():
+            parts[part] += seconds
         parts["padded_tokens"] += padded - tokens
-        parts["lm_head"] += head * sampled / products_rate
-        parts["decode_attention"] += context * kv_bytes / attention_rate
         parts["steps"] += 1
+        gaps.append((sum(step.values()), decodes))
         running = [r for r in running if not (r[1] == jobs[r[0]][0] and r[2] >= jobs[r[0]][1])]
+    parts["itl_p50"] = weighted_median(gaps)
     return parts
+
+
+def weighted_median(values: list[tuple[float, int]]) -> float:
+    """The value at the middle of ``(value, weight)`` pairs counted ``weight`` times each (the
+    lower middle for an even total); 0.0 for no weight."""
+    half = sum(weight for _, weight in values) / 2
+    seen = 0
+    for value, weight in sorted(values):
+        seen += weight
+        if weight and seen >= half:
+            return value
+    return 0.0
 
 
 def main() -> None:
@@ -110,6 +137,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--graph-batch", type=int, default=256, help="the worker's, 0: no decode graphs"
+    )
+    parser.add_argument(
+        "--prefill-interval", type=int, default=1, help="the scheduler's (1: prompts every step)"
     )
     args = parser.parse_args()
     config = SHAPES[args.shape]()
@@ -137,6 +167,7 @@ def main() -> None:
             bucket_sizes(args.graph_batch) if args.graph_batch > 0 else [],
             token_buckets(args.graph_tokens) if args.graph_tokens > 0 else [],
         ),
+        args.prefill_interval,
     )
     seconds = parts["products"] + parts["padding"] + parts["lm_head"] + parts["decode_attention"]
     out = sum(max_tokens for _, max_tokens in jobs)
@@ -146,7 +177,9 @@ def main() -> None:
         f"step: {parts['steps']:.0f} steps; bound {seconds:.2f} s (products "
         f"{parts['products']:.2f}, their graphs' padding {parts['padding']:.2f} for "
         f"{parts['padded_tokens']:.0f} padded tokens, lm_head {parts['lm_head']:.2f}, decode "
-        f"attention {parts['decode_attention']:.2f}) -> at most {out / seconds:.0f} output tok/s"
+        f"attention {parts['decode_attention']:.2f}) -> at most {out / seconds:.0f} output tok/s; "
+        f"a step's bound at the median decoded token (ITL p50 at best): "
+        f"{parts['itl_p50'] * 1e3:.1f} ms"
     )
 
 

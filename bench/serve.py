@@ -11,7 +11,8 @@ process (nothing of ours imported, all GPU memory back between runs):
 - transformers ``generate`` with static batches of 32 (left padding, each batch runs to its
   longest output; only the requested tokens count).
 
-    python bench/serve.py [--requests 128] [--max-num-seqs 128] [--skip-baselines]
+    python bench/serve.py [--requests 128] [--max-num-seqs 256] [--prefill-interval 1]
+        [--skip-baselines]
     python bench/serve.py --mode ours|hf-cb|hf-static [--cuda-graphs N]   (one run, JSON out)
 """
 
@@ -40,7 +41,10 @@ sys.path.insert(0, str(ROOT))
 
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-if TYPE_CHECKING:  # the baselines' processes import nothing of ours
+from compute.scheduler import SchedulerConfig  # noqa: E402  (pure Python, as is the next)
+from pagedserve.config import add_arguments, from_namespace, to_flags  # noqa: E402
+
+if TYPE_CHECKING:  # the baselines' processes import none of our GPU code
     from transformers.generation import ContinuousBatchingManager
 
     from compute.engine import Engine
@@ -232,7 +236,7 @@ def serve_jobs(engine: Engine, url: str, jobs: Jobs, tag: str) -> dict[str, Any]
 
 def run_ours(
     jobs: Jobs,
-    seqs: int,
+    scheduling: SchedulerConfig,
     cuda_graphs: int,
     cprofile: bool = False,
     fused: bool = True,
@@ -246,7 +250,6 @@ def run_ours(
     from compute.engine import Engine
     from compute.models import byte_tokenizer, load_tokenizer
     from compute.profile import measure_prefill
-    from compute.scheduler import SchedulerConfig
     from contracts.heap import tune_gc_for_serving
     from kvstore import protocol as p
     from kvstore.client import KVClient
@@ -266,7 +269,7 @@ def run_ours(
                 load_tokenizer(tokenizer) if tokenizer else byte_tokenizer(),
                 kv,
                 redis.Redis.from_url(url),
-                SchedulerConfig(seqs, 8192),
+                scheduling,
                 profile,
                 cuda_graph_max_batch=cuda_graphs,
                 cuda_graph_max_tokens=graph_tokens,
@@ -354,7 +357,7 @@ def one_run(args: argparse.Namespace) -> dict:
         graphs, fused = args.cuda_graphs, not args.unfused
         return run_ours(
             jobs,
-            args.max_num_seqs,
+            from_namespace(SchedulerConfig, args),
             graphs,
             args.profile,
             fused,
@@ -369,7 +372,7 @@ def one_run(args: argparse.Namespace) -> dict:
 
 def in_subprocess(mode: str, args: argparse.Namespace, *extra: str) -> dict | None:
     command = [sys.executable, __file__, "--mode", mode, "--requests", str(args.requests)]
-    command += ["--max-num-seqs", str(args.max_num_seqs), *extra]
+    command += [*to_flags(from_namespace(SchedulerConfig, args)), *extra]
     done = subprocess.run(command, capture_output=True, text=True, timeout=900)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
@@ -382,7 +385,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=128)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="1b", help="ours: the model")
-    parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--cuda-graphs", type=int, default=256, help="0: eager decode steps")
     parser.add_argument(
         "--graph-tokens",
@@ -401,6 +403,7 @@ def main() -> None:
     parser.add_argument(
         "--unfused", action="store_true", help="ours: transformers' own layer forwards"
     )
+    add_arguments(parser, SchedulerConfig)  # ours: the worker's scheduling flags
     args = parser.parse_args()
     if args.mode:
         print(json.dumps(one_run(args)))

@@ -17,6 +17,10 @@ is told).
 Policy (as vLLM / SGLang with chunked prefill):
 - decodes first, every running sequence that has exactly one token to compute, oldest first;
 - then prefill chunks of running sequences, oldest first, as far as the token budget goes;
+  with ``prefill_interval`` N > 1, a step that has decodes takes prompt chunks only if the
+  N - 1 steps before it took none (vLLM v0's ``--scheduler-delay-factor``, counted in steps):
+  prompts gather into fewer, larger steps, so most decode steps carry no prompt (a shorter
+  median inter-token gap, for later first tokens and longer gaps at the prompt steps);
 - placement (admission or resume) oldest first, preempted sequences before new ones, while the
   number of running sequences stays under ``max_num_seqs``;
 - the preemption victim is the running sequence that arrived last.
@@ -99,6 +103,19 @@ class SchedulerConfig:
     max_num_batched_tokens: int = field(
         default=8192, metadata={"help": "tokens per forward pass (decodes + prefill chunks)"}
     )
+    prefill_interval: int = field(
+        default=1,
+        metadata={
+            "help": "while sequences decode, prompt chunks join a step only if the N-1 steps "
+            "before it had none: most decode steps then carry no prompt (a lower median "
+            "inter-token latency, for a later first token; 1: prompts join every step)"
+        },
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "prefill_interval"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
 
 
 class Scheduler:
@@ -107,6 +124,8 @@ class Scheduler:
         self.block_size = block_size
         self.seqs: dict[str, Sequence] = {}
         self._arrivals = 0
+        self._steps_without_prompt = config.prefill_interval  # the first step may take prompts
+        self.held_steps = 0  # steps whose pending prompts waited for the interval, a counter
 
     # ------------------------------------------------------------------ bookkeeping
     def add(
@@ -137,7 +156,9 @@ class Scheduler:
 
     # ------------------------------------------------------------------ decisions
     def schedule(self) -> list[Chunk]:
-        """The next forward pass: decodes first, then prefill chunks, within the token budget."""
+        """The next forward pass: decodes first, then prefill chunks, within the token budget
+        (prefill chunks beside decodes only every ``prefill_interval`` steps). Call once per
+        step launched: it counts the steps since the last one with prompt tokens."""
         budget = self.config.max_num_batched_tokens
         chunks: list[Chunk] = []
         everyone = self.running()
@@ -146,9 +167,13 @@ class Scheduler:
             if budget > 0 and seq.can_feed(self.block_size):
                 chunks.append(Chunk(seq, seq.num_computed, 1, fed=True))
                 budget -= 1
-        for seq in [s for s in running if s.num_pending == 1] + [
-            s for s in running if s.num_pending > 1
-        ]:
+        decodes = [s for s in running if s.num_pending == 1]
+        prompts = [s for s in running if s.num_pending > 1]
+        interval = self.config.prefill_interval
+        if prompts and (chunks or decodes) and self._steps_without_prompt + 1 < interval:
+            prompts = []  # they join a later step
+            self.held_steps += 1
+        for seq in decodes + prompts:
             if budget == 0:
                 break
             n = min(seq.num_pending, budget)
@@ -158,6 +183,9 @@ class Scheduler:
             )
             chunks.append(Chunk(seq, seq.num_computed, n))
             budget -= n
+        if chunks:
+            prompted = any(c.seq.num_pending > 1 for c in chunks)  # not launched yet
+            self._steps_without_prompt = 0 if prompted else self._steps_without_prompt + 1
         return chunks
 
     def to_place(self) -> list[Sequence]:

@@ -23,7 +23,7 @@ from compute.worker import ComputeConfig
 from gateway.config import ADMIN_TOKEN_ENV, GatewayConfig
 from kvstore.daemon import KVStoreConfig
 from pagedserve.bench import BenchConfig
-from pagedserve.config import add_arguments, from_namespace
+from pagedserve.config import T, add_arguments, from_namespace
 from pagedserve.up import UpConfig, run_up
 
 
@@ -83,25 +83,33 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+
+    def config(cls: type[T]) -> T:
+        try:
+            return from_namespace(cls, args)
+        except ValueError as error:  # a value the config refuses: one line, no traceback
+            parser.error(str(error))
+
     if args.command == "kvstore":
         from kvstore.daemon import run
 
-        run(from_namespace(KVStoreConfig, args))
+        run(config(KVStoreConfig))
     elif args.command == "compute":
         from compute.worker import run as run_compute
 
-        run_compute(from_namespace(ComputeConfig, args), from_namespace(SchedulerConfig, args))
+        run_compute(config(ComputeConfig), config(SchedulerConfig))
     elif args.command == "gateway":
         from gateway.app import run as run_gateway
 
-        run_gateway(from_namespace(GatewayConfig, args))
+        run_gateway(config(GatewayConfig))
     elif args.command == "bench":
         from pagedserve.bench import run as run_bench
 
-        run_bench(from_namespace(BenchConfig, args))
+        run_bench(config(BenchConfig))
     else:
-        run_up(from_namespace(UpConfig, args))
+        run_up(config(UpConfig))
 
 
 def spawn_kvstore(

@@ -1,7 +1,8 @@
 """Frozen config dataclasses -> argparse, built once per process.
 
 Every option is a dataclass field with ``metadata={"help": ...}``; ``add_arguments`` turns the
-fields into ``--kebab-case`` flags and ``from_namespace`` builds the frozen config back.
+fields into ``--kebab-case`` flags and ``from_namespace`` builds the frozen config back;
+``to_flags`` writes a config as those flags (for a child process).
 """
 
 from __future__ import annotations
@@ -53,6 +54,18 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type[DataclassInstance])
             choices=choices,
             help=f"{help_text} (default: {default})",
         )
+
+
+def to_flags(config: DataclassInstance) -> list[str]:
+    """The flags ``add_arguments`` parses back into ``config`` (every field, defaults too)."""
+    flags = []
+    for field in dataclasses.fields(config):
+        flag, value = "--" + field.name.replace("_", "-"), getattr(config, field.name)
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + flag[2:])
+        else:
+            flags += [flag, str(value)]
+    return flags
 
 
 def from_namespace(cls: type[T], ns: argparse.Namespace) -> T:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.schedule_bound import bound
+from bench.schedule_bound import bound, weighted_median
 
 UNPADDED = {"padding": 0.0, "padded_tokens": 0}
 
@@ -11,12 +11,31 @@ def test_steps_are_composed_as_the_scheduler_does_and_priced_exactly() -> None:
     """Two requests (prompt 3, output 2; prompt 2, output 1), 4 tokens per step. Step 1: the
     first prompt whole (its first token drawn), one token of the second. Step 2: the first
     decodes over a context of 4, the second's last prompt token draws its only token. Products
-    cost 2 FLOPs per token at 1 FLOP/s, at least a read of their 2 weight bytes."""
+    cost 2 FLOPs per token at 1 FLOP/s, at least a read of their 2 weight bytes. The only
+    decoded token is step 2's, so ITL p50 is that step's 4 + 2 + 4 s."""
     parts = bound([(3, 2), (2, 1)], 2, 4, (2.0, 1.0), 1.0, (1.0, 1.0, 1.0))
     want = {"products": 8 + 4, "lm_head": 1 + 2, "decode_attention": 4, "steps": 2}
-    assert parts == want | UNPADDED
+    assert parts == want | UNPADDED | {"itl_p50": 10}
     small = bound([(1, 1)], 1, 4, (2.0, 1.0), 1.0, (1.0, 0.5, 1.0))  # the weight read wins
-    assert small == {"products": 4, "lm_head": 1, "decode_attention": 0, "steps": 1} | UNPADDED
+    want = {"products": 4, "lm_head": 1, "decode_attention": 0, "steps": 1, "itl_p50": 0}
+    assert small == want | UNPADDED
+
+
+def test_a_prefill_interval_holds_prompts_back_while_requests_decode() -> None:
+    """(prompt 1, output 2) and (prompt 2, output 1), 2 tokens per step. Every step: the first
+    prompt and one token of the second, then the first's decode beside the second's last prompt
+    token. Interval 2: that token waits for a step without decodes, a third step."""
+    jobs, rates = [(1, 2), (2, 1)], (1.0, 1.0, 1.0)
+    assert bound(jobs, 2, 2, (2.0, 1.0), 1.0, rates)["steps"] == 2
+    held = bound(jobs, 2, 2, (2.0, 1.0), 1.0, rates, prefill_interval=2)
+    assert held["steps"] == 3 and held["products"] == 4 + 2 + 2
+
+
+def test_weighted_median_takes_the_lower_middle() -> None:
+    assert weighted_median([(3.0, 1), (1.0, 2), (2.0, 0)]) == 1.0
+    assert weighted_median([(5.0, 1), (1.0, 1)]) == 1.0
+    assert weighted_median([(5.0, 1), (1.0, 1), (2.0, 1)]) == 2.0
+    assert weighted_median([(5.0, 0)]) == weighted_median([]) == 0.0
 
 
 def test_graph_buckets_price_the_padded_rows() -> None:

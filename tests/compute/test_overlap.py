@@ -22,6 +22,8 @@ from tests.compute.driver import EOS, generate_greedy, reference_model
 from tests.compute.serving import PROFILE, assert_kvstore_holds_reported, prompts_of, submit
 from tests.conftest import entry_record, start_kvstore, stop_process
 
+STAGGERED = SchedulerConfig(32, 64)  # frozen
+
 
 def records_of(r: redis.Redis, req_id: str) -> list[OutputRecord]:
     entries = r.xrange(queue_keys.output_key(req_id))
@@ -38,7 +40,10 @@ def served() -> tuple[PreTrainedModel, PreTrainedTokenizerBase, PreTrainedModel]
 
 
 def serve_staggered(
-    redis_url: str, tiny: tuple, jobs: dict[str, tuple[list[int], SamplingParams]]
+    redis_url: str,
+    tiny: tuple,
+    jobs: dict[str, tuple[list[int], SamplingParams]],
+    config: SchedulerConfig = STAGGERED,
 ) -> tuple[Engine, list[int], p.Stats]:
     """Submits one job before each engine step (so requests join at every step) and steps
     until every request is final. After each step, the kvstore holds exactly the tokens the
@@ -52,7 +57,6 @@ def serve_staggered(
         r = redis.Redis.from_url(redis_url)
         r.flushdb()
         with KVClient(endpoint) as kv:
-            config = SchedulerConfig(32, 64)
             engine = Engine("w-overlap", model, tokenizer, kv, r, config, PROFILE)
             waiting = [
                 RequestRecord(rid, prompt, params, "tiny") for rid, (prompt, params) in jobs.items()
@@ -77,20 +81,23 @@ def serve_staggered(
         stop_process(process)
 
 
+@pytest.mark.parametrize("interval", [1, 3])
 def test_overlapped_greedy_equals_generate_with_requests_joining_and_finishing_every_step(
-    redis_url: str, served: tuple
+    redis_url: str, served: tuple, interval: int
 ) -> None:
     """24 requests arrive one per step, with max_tokens 1..24 (so some finish at nearly every
     step while others are being prefilled), prompts crossing block boundaries: every output is
     transformers' greedy continuation, token for token, and most decodes were fed from the
-    device (the overlap ran)."""
+    device (the overlap ran). With a prefill interval of 3, prompts wait for every third step
+    and the outputs are the same."""
     _, _, ref = served
     prompts = prompts_of([3 + 7 * i % 61 for i in range(24)], seed=11)
     jobs = {
         rid: (prompt, SamplingParams(max_tokens=1 + (i * 5) % 24, temperature=0.0))
         for i, (rid, prompt) in enumerate(prompts.items())
     }
-    engine, running, stats = serve_staggered(redis_url, served, jobs)
+    config = SchedulerConfig(32, 64, prefill_interval=interval)
+    engine, running, stats = serve_staggered(redis_url, served, jobs, config)
     for rid, (prompt, params) in jobs.items():
         sequence = queue_worker.read_streamed(engine.redis, rid).sequences[0]
         expected = generate_greedy(ref, prompt, params.max_tokens)  # ends at EOS, if it comes
@@ -98,6 +105,7 @@ def test_overlapped_greedy_equals_generate_with_requests_joining_and_finishing_e
         assert sequence.finish_reason == ("stop" if expected[-1] == EOS else "length"), rid
     decodes = sum(params.max_tokens - 1 for _, params in jobs.values())
     assert engine.model_step.tokens_fed >= decodes // 2, (engine.model_step.tokens_fed, decodes)
+    assert (engine.scheduler.held_steps > 0) == (interval > 1)  # prompts did wait, or never
     assert max(running) >= 8  # many requests at once, not one after another
     assert stats.gpu.used == 0 and not stats.requests  # every block freed, none leaked by the lag
 

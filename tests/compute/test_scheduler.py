@@ -14,8 +14,8 @@ from kvstore.requests import KVError
 BS = 4
 
 
-def scheduler(seqs: int = 8, tokens: int = 16) -> Scheduler:
-    return Scheduler(SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=tokens), BS)
+def scheduler(seqs: int = 8, tokens: int = 16, interval: int = 1) -> Scheduler:
+    return Scheduler(SchedulerConfig(seqs, tokens, prefill_interval=interval), BS)
 
 
 def compute(s: Scheduler, chunk: Chunk, new_token: int | None) -> None:
@@ -54,6 +54,52 @@ def test_decodes_first_then_prefill_chunks_within_the_budget() -> None:
     with pytest.raises(AssertionError, match="mid-prompt"):
         compute(s, chunks[2], new_token=5)
     assert s.seqs["c"].num_computed == 0  # a refused update changes nothing
+
+
+def run_step(s: Scheduler, blocks: list[int]) -> list[tuple[str, int, int]]:
+    """One step run synchronously: drawn tokens (9) are reported at once, a new block (from
+    ``blocks``) given where a table is full. Returns the chunks as (id, start, tokens)."""
+    chunks = s.schedule()
+    for chunk in chunks:
+        samples, seq = chunk.samples, chunk.seq
+        compute(s, chunk, 9 if samples else None)
+        if samples:
+            s.reported(seq.seq_id, len(seq.token_ids))
+            if len(seq.token_ids) > len(seq.block_ids) * BS:
+                s.grown(seq.seq_id, [blocks.pop(0)], [])
+    return [(c.seq.seq_id, c.start, c.num_tokens) for c in chunks]
+
+
+def test_with_a_prefill_interval_prompts_join_decodes_every_nth_step_only() -> None:
+    """Interval 3: while ``d`` decodes, prompt chunks run in steps 1, 4 and 7 (the two steps
+    before each have none); a prompt with no decode beside it runs at once, every step."""
+    s = scheduler(tokens=6, interval=3)
+    blocks = list(range(50, 90))
+    s.add("d", [1, 2, 3])
+    s.placed("d", [0], 2, 3)  # one pending token: a decode
+    s.add("p", list(range(8)))
+    s.placed("p", [1, 2], 0, 8)
+    assert run_step(s, blocks) == [("d", 2, 1), ("p", 0, 5)]  # the first step may take prompts
+    assert run_step(s, blocks) == [("d", 3, 1)]  # p's last 3 prompt tokens wait ...
+    assert run_step(s, blocks) == [("d", 4, 1)]
+    assert run_step(s, blocks) == [("d", 5, 1), ("p", 5, 3)]  # ... two steps
+    s.add("q", list(range(4)))
+    s.placed("q", [3], 0, 4)
+    assert run_step(s, blocks) == [("d", 6, 1), ("p", 8, 1)]  # p decodes; q waits
+    assert run_step(s, blocks) == [("d", 7, 1), ("p", 9, 1)]
+    assert run_step(s, blocks) == [("d", 8, 1), ("p", 10, 1), ("q", 0, 4)]
+    assert s.held_steps == 4  # steps 2, 3, 5 and 6
+    alone = scheduler(tokens=4, interval=3)
+    alone.add("a", list(range(10)))
+    alone.placed("a", [0, 1, 2], 0, 10)
+    steps = [run_step(alone, blocks) for _ in range(4)]
+    assert steps == [[("a", 0, 4)], [("a", 4, 4)], [("a", 8, 2)], [("a", 10, 1)]]
+
+
+def test_the_config_refuses_values_below_one() -> None:
+    for fields in ({"max_num_seqs": 0}, {"max_num_batched_tokens": 0}, {"prefill_interval": 0}):
+        with pytest.raises(ValueError, match="must be at least 1"):
+            SchedulerConfig(**fields)
 
 
 def test_placement_order_room_and_victim() -> None:
@@ -111,17 +157,19 @@ def test_grown_applies_copies_and_new_blocks() -> None:
     outputs=st.integers(1, 12),
     blocks=st.integers(8, 40),
     budget=st.integers(1, 24),
+    interval=st.integers(1, 4),
 )
 def test_every_sequence_finishes_under_memory_pressure(
-    prompts: list[int], outputs: int, blocks: int, budget: int
+    prompts: list[int], outputs: int, blocks: int, budget: int, interval: int
 ) -> None:
     """The engine's step loop, minus the model: schedule, 'compute', append at the real manager,
     preempt the victim when it has no room, place what fits. Every sequence ends with its prompt
-    and ``outputs`` tokens, and the scheduler's tables always equal the manager's."""
+    and ``outputs`` tokens, and the scheduler's tables always equal the manager's, whatever the
+    prefill interval."""
     if max(-(-(p + outputs + LOOKAHEAD_SLOTS) // BS) for p in prompts) > blocks:
         return  # one sequence alone cannot fit: not this test's business
     kv = KVCacheManager(blocks, 0, BS)
-    s = scheduler(seqs=4, tokens=budget)
+    s = scheduler(seqs=4, tokens=budget, interval=interval)
     for i, n in enumerate(prompts):
         s.add(f"r{i}", [i * 100 + t for t in range(n)])
     done: dict[str, list[int]] = {}
