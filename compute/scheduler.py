@@ -108,7 +108,9 @@ class SchedulerConfig:
         metadata={
             "help": "while sequences decode, prompt chunks join a step only if the N-1 steps "
             "before it had none: most decode steps then carry no prompt (a lower median "
-            "inter-token latency, for a later first token; 1: prompts join every step)"
+            "inter-token latency, for a later first token; 1: prompts join every step). For "
+            "models the GPU bounds; pair it with --max-num-batched-tokens equal to "
+            "--cuda-graph-max-tokens, so the gathered prompts still replay CUDA graphs"
         },
     )
 
