@@ -434,7 +434,13 @@ class Engine:
         connected = True
         while len(signals) < 2:
             model = self.model_step
-            line = timeline.tick(self.phase_s, self.steps, model.tokens_computed, model.device_s)
+            line = timeline.tick(
+                self.phase_s,
+                self.steps,
+                model.tokens_computed,
+                model.device_s,
+                held=self.scheduler.held_steps,
+            )
             if line is not None:
                 log.info("timeline: %s", line)
             if signals:

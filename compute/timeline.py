@@ -5,7 +5,8 @@ per step the host milliseconds of each phase of ``Engine.phase_s`` (``launch`` =
 ``forward`` + ``draw``; ``process`` includes ``wait``, the host waiting for the device;
 ``kvstore`` includes ``kv_wait``, the wait for the kvstore's reply; ``launch`` includes
 ``compile``, Triton kernel variants built after start-up) and the
-device milliseconds (CUDA events around each step's device work). When ``wait`` is large and the
+device milliseconds (CUDA events around each step's device work), and how many of the steps held
+their prompts back (``--prefill-interval``), when any did. When ``wait`` is large and the
 device time is close to the step time, the device is the bottleneck; when the host phases add up
 to more than the device time, the host is.
 """
@@ -39,6 +40,7 @@ class _Snapshot:
     steps: int
     tokens: int
     device_s: float
+    held: int
 
 
 class TimelineLog:
@@ -53,12 +55,12 @@ class TimelineLog:
         tokens: int,
         device_s: float,
         now: float | None = None,
+        held: int = 0,
     ) -> str | None:
         """The line to log now, or None (too early, or no step since the last line). The
-        counters are the engine's running totals."""
-        snapshot = _Snapshot(
-            time.monotonic() if now is None else now, dict(phase_s), steps, tokens, device_s
-        )
+        counters are the engine's running totals (``held``: the scheduler's ``held_steps``)."""
+        at = time.monotonic() if now is None else now
+        snapshot = _Snapshot(at, dict(phase_s), steps, tokens, device_s, held)
         last = self._last
         if last is None or snapshot.steps < last.steps:  # the first call, or the engine restarted
             self._last = snapshot
@@ -74,8 +76,10 @@ class TimelineLog:
             f"{name} {1e3 * (seconds - last.phase_s.get(name, 0.0)) / n:.2f}"
             for name, seconds in snapshot.phase_s.items()
         )
+        held_back = snapshot.held - last.held
         return (
             f"{n / elapsed:.0f} steps/s, {max(snapshot.tokens - last.tokens, 0) / elapsed:.0f} "
             f"tokens/s computed; ms per step: {per_step}, device "
             f"{1e3 * max(snapshot.device_s - last.device_s, 0.0) / n:.2f}"
+            + (f"; prompts held back in {held_back} of {n} steps" if held_back > 0 else "")
         )
