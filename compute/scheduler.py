@@ -175,6 +175,7 @@ class Scheduler:
         if prompts and (chunks or decodes) and self._steps_without_prompt + 1 < interval:
             prompts = []  # they join a later step
             self.held_steps += 1
+        before_prompts = len(chunks) + len(decodes)  # decodes first: any chunk past is a prompt's
         for seq in decodes + prompts:
             if budget == 0:
                 break
@@ -186,7 +187,7 @@ class Scheduler:
             chunks.append(Chunk(seq, seq.num_computed, n))
             budget -= n
         if chunks:
-            prompted = any(c.seq.num_pending > 1 for c in chunks)  # not launched yet
+            prompted = len(chunks) > before_prompts
             self._steps_without_prompt = 0 if prompted else self._steps_without_prompt + 1
         return chunks
 

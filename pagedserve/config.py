@@ -28,11 +28,15 @@ def _field_type(cls: type[DataclassInstance], field: dataclasses.Field[Any]) -> 
     return hint
 
 
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
 def add_arguments(parser: argparse.ArgumentParser, cls: type[DataclassInstance]) -> None:
     """Adds one ``--flag`` per field of the dataclass ``cls`` to ``parser``."""
     group = parser.add_argument_group(cls.__name__)
     for field in dataclasses.fields(cls):
-        flag = "--" + field.name.replace("_", "-")
+        flag = _flag(field.name)
         kind = _field_type(cls, field)
         default = field.default
         help_text = field.metadata.get("help", "")
@@ -60,7 +64,7 @@ def to_flags(config: DataclassInstance) -> list[str]:
     """The flags ``add_arguments`` parses back into ``config`` (every field, defaults too)."""
     flags = []
     for field in dataclasses.fields(config):
-        flag, value = "--" + field.name.replace("_", "-"), getattr(config, field.name)
+        flag, value = _flag(field.name), getattr(config, field.name)
         if isinstance(value, bool):
             flags.append(flag if value else "--no-" + flag[2:])
         else:
