@@ -2,9 +2,12 @@
 
 Each program owns one (request, kv head, split): it loads the query heads of that kv head's group
 as the rows of one tile, so every K/V tile read through the block table serves the whole group.
-With ``num_splits > 1`` the context is cut into equal, BLOCK_N-aligned token ranges, each program
-writes its normalised partial output and log-sum-exp, and a second kernel merges them
-(flash-decoding). ``num_splits == 1`` writes the output directly (no second stage).
+With ``num_splits > 1`` each request cuts its own context (read on the device) into at most
+``num_splits`` equal, BLOCK_N-aligned token ranges of at least two tiles (``_split_tokens``), each
+program writes its normalised partial output and log-sum-exp, and a second kernel merges them
+(flash-decoding). ``num_splits == 1`` writes the output directly (no second stage). Because the
+ranges come from the contexts, not from the block table's width, a CUDA graph captured once with
+tables as wide as the model's context still splits each replay's short contexts.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from kernels._checks import (
 )
 from kernels._tl_utils import jit, load_rows, mma
 
-__all__ = ["choose_num_splits", "decode_config", "paged_decode", "split_plan"]
+__all__ = ["choose_num_splits", "decode_config", "paged_decode"]
 
 LOG2E = 1.4426950408889634
 
@@ -55,7 +58,16 @@ def _decode_step(
     return acc, m_new, l_i
 
 
-@jit(varying=("tokens_per_split", "num_splits", "stride_btb"))
+@jit
+def _split_tokens(ctx: tl.tensor, num_splits: tl.tensor, BLOCK_N: tl.constexpr) -> tl.tensor:
+    """Tokens per split of a request whose context is ``ctx``: ``ctx`` cut into ``num_splits``
+    BLOCK_N-aligned ranges, none shorter than two tiles. The request uses ``cdiv(ctx, that)``
+    of its splits (0 for an empty context)."""
+    per_split = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
+    return tl.maximum(per_split, 2 * BLOCK_N)
+
+
+@jit(varying=("num_splits", "stride_btb"))
 def _decode_kernel(
     q_ptr: tl.tensor,
     k_ptr: tl.tensor,
@@ -67,7 +79,6 @@ def _decode_kernel(
     part_ptr: tl.tensor,
     lse_ptr: tl.tensor,
     qk_scale: tl.tensor,
-    tokens_per_split: tl.tensor,
     num_splits: tl.tensor,
     stride_qb: tl.tensor,
     stride_qh: tl.tensor,
@@ -101,10 +112,14 @@ def _decode_kernel(
         if b >= tl.load(count_ptr):
             return  # a row past the step's decodes (a CUDA graph's grid is its bucket's)
     ctx = tl.load(cl_ptr + b)
-    start = split * tokens_per_split
-    end = tl.minimum(start + tokens_per_split, ctx)
-    if IS_SPLIT and start >= ctx:
-        return  # this split is past the request's context: the reduce never reads it
+    start = 0
+    end = ctx
+    if IS_SPLIT:
+        tokens_per_split = _split_tokens(ctx, num_splits, BLOCK_N)
+        start = split * tokens_per_split
+        end = tl.minimum(start + tokens_per_split, ctx)
+        if start >= ctx:
+            return  # this split is past the request's context: the reduce never reads it
 
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, D_PAD)
@@ -142,25 +157,25 @@ def _decode_kernel(
         tl.store(lse_ptr + row, m_i + tl.log2(l_safe), mask=g_mask)
 
 
-@jit(varying=("tokens_per_split", "num_splits"))
+@jit(varying=("num_splits",))
 def _reduce_kernel(
     part_ptr: tl.tensor,
     lse_ptr: tl.tensor,
     cl_ptr: tl.tensor,
     out_ptr: tl.tensor,
-    tokens_per_split: tl.tensor,
     num_splits: tl.tensor,
     stride_ob: tl.tensor,
     stride_oh: tl.tensor,
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ) -> None:
     """Merge the partial outputs of the splits a request actually used. Grid (B, q_heads)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     ctx = tl.load(cl_ptr + b)
-    n_used = tl.cdiv(ctx, tokens_per_split)
+    n_used = tl.cdiv(ctx, _split_tokens(ctx, num_splits, BLOCK_N))
     s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, D_PAD)
     s_mask = s < n_used
@@ -207,18 +222,6 @@ def choose_num_splits(
     want = 1 << (cdiv(4 * num_sms, programs).bit_length() - 1)  # round down to 2^k
     cap = max(1, max_context // (2 * block_n))
     return max(1, min(want, cap, MAX_SPLITS))
-
-
-def split_plan(max_context: int, num_splits: int, block_n: int) -> tuple[int, int]:
-    """(splits launched, tokens per split): equal BLOCK_N-aligned ranges over max_context,
-    dropping splits that would start past it. Request b uses cdiv(context_b, tokens) of them."""
-    if num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    max_context = max(max_context, 1)
-    if num_splits == 1:
-        return 1, max_context
-    tokens = cdiv(cdiv(max_context, num_splits), block_n) * block_n
-    return cdiv(max_context, tokens), tokens
 
 
 def compile_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, q_heads: int) -> int:
@@ -270,9 +273,11 @@ def paged_decode(
     [B, max_blocks] int32, rows contiguous; context_lens: [B] int32, contiguous (0 gives zeros);
     all on one device (``kernels._checks`` refuses anything else before launching). Not checked
     (values, no device sync): context_lens[b] <= max_blocks * block_size and the table entries
-    it covers are blocks of the cache; entries past a request's context are never read. The
-    split bound is max_blocks * block_size, known on the host, so the call can be graph-captured.
-    num_splits: None = heuristic (``choose_num_splits``), 1 = single-pass path, else >= 1.
+    it covers are blocks of the cache; entries past a request's context are never read. Each
+    request splits its own context (``_split_tokens``), so a graph-captured call splits the
+    contexts of every replay.
+    num_splits: None = heuristic (``choose_num_splits``, capped by the table's width), 1 =
+    single-pass path, else >= 1 (the splits a request's context does not need exit at once).
     out: where to write (``check_out``: the query's shape and dtype); None allocates it.
     count: [1] int32 on the query's device, or None: only requests ``b < count[0]`` are attended
     (the other rows of ``out`` are left unwritten), so a CUDA graph captured for B rows serves
@@ -301,7 +306,6 @@ def paged_decode(
     if num_splits is None:
         sms = _num_sms(query.device)
         num_splits = choose_num_splits(batch, kv_heads, max_context, sms, block_n)
-    num_splits, tokens_per_split = split_plan(max_context, num_splits, block_n)
     if num_splits > 1:
         part = torch.empty(
             (batch, q_heads, num_splits, d_pad), device=query.device, dtype=torch.float32
@@ -323,7 +327,6 @@ def paged_decode(
         part,
         lse,
         scale * LOG2E,
-        tokens_per_split,
         num_splits,
         query.stride(0),
         query.stride(1),
@@ -352,13 +355,13 @@ def paged_decode(
             lse,
             context_lens,
             out,
-            tokens_per_split,
             num_splits,
             out.stride(0),
             out.stride(1),
             HEAD_DIM=head_dim,
             D_PAD=d_pad,
             SPLITS_PAD=next_pow2(num_splits),
+            BLOCK_N=block_n,
             num_warps=4,
         )
     return out

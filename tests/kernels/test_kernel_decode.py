@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernels import paged_decode
-from kernels.decode import choose_num_splits, compile_variants, split_plan
+from kernels.decode import choose_num_splits, compile_variants
 from kernels.reference import paged_decode_reference
 from tests.kernels.kernel_cases import (
     EDGE_HEAD_DIMS,
@@ -91,12 +91,19 @@ def test_decode_zero_context_gives_zeros(device: torch.device) -> None:
         assert rel_err(out, ref) < TOL[F16]
 
 
-def test_split_plan_and_heuristic() -> None:
-    assert split_plan(4096, 1, 64) == (1, 4096)
-    assert split_plan(4096, 4, 64) == (4, 1024)
-    assert split_plan(100, 8, 64) == (2, 64)  # splits past the context are dropped
-    n, tokens = split_plan(32768, 64, 64)
-    assert n * tokens >= 32768 and tokens % 64 == 0
+@pytest.mark.parametrize("num_splits", [2, 4, 8])
+def test_decode_splits_each_context_in_a_table_wider_than_it(
+    device: torch.device, num_splits: int
+) -> None:
+    """A CUDA graph's tables are as wide as the model's context; each request still cuts its
+    own context into splits of at least two 64-token tiles: context 0 uses none, 1 and 17 one,
+    150 two, 300 up to three (128 + 128 + 44), 1000 up to eight."""
+    case = make_case([0, 1, 17, 150, 300, 1000], 2, 64, 16, F16, device, extra_table_cols=200)
+    assert case.block_tables.shape[1] * 16 > 4 * 1000  # the table, not a context, is widest
+    check_decode(case, 4, num_splits)
+
+
+def test_split_heuristic() -> None:
     assert choose_num_splits(64, 8, 4096, 132, 64) == 1  # 512 programs already fill the GPU
     assert choose_num_splits(1, 8, 32768, 132, 64) > 8  # one long request must be split
     assert choose_num_splits(1, 8, 64, 132, 64) == 1  # nothing to split
