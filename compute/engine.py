@@ -285,7 +285,11 @@ class Engine:
         if clock - self._timeline_sent_at >= TIMELINE_EVERY_S:  # the admin page's step timeline
             self._timeline_sent_at = clock
             self.kvsync.timeline = p.StepTimeline(
-                self.steps, model.tokens_computed, model.device_s, dict(self.phase_s)
+                self.steps,
+                model.tokens_computed,
+                model.device_s,
+                dict(self.phase_s),
+                self.scheduler.held_steps,
             )
         self._sent = self.kvsync.send({seq_id for out in outputs for seq_id in out.computed})
         clock = self._phase("kvstore", clock)

@@ -13,10 +13,11 @@ from typing import Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 6  # 2: Call.token; the wire's codes and kinds are closed sets (Literal).
+PROTOCOL_VERSION = 7  # 2: Call.token; the wire's codes and kinds are closed sets (Literal).
 # 3: AdmitItem.reuse_prefix, Step.finals. 4: the CPU prefix tier (Stats fields, DecisionRow.kind,
 # GetBlockMap, GetBlockInfo, Step.timeline, WorkerRow.timeline). 5: Register.recompute_profile
 # and .graph_token_buckets, WorkerRow.recompute_profile. 6: LOOKAHEAD_SLOTS.
+# 7: StepTimeline.held_steps.
 
 # A running request's block table holds the slots of its known tokens and of this many after
 # them: a worker may compute that many tokens the kvstore has not heard of yet (sampled tokens
@@ -141,14 +142,15 @@ class TokenBatch(_Item):
 
 
 class StepTimeline(_Item):
-    """A worker's running totals since it started: steps, tokens computed, device seconds and
-    host seconds per engine phase (``compute.engine``). The admin page turns two of them into
-    per-step milliseconds."""
+    """A worker's running totals since it started: steps, tokens computed, device seconds,
+    host seconds per engine phase (``compute.engine``) and steps whose prompts were held back
+    (``--prefill-interval``). The admin page turns two of them into per-step milliseconds."""
 
     steps: int
     tokens: int
     device_s: float
     phase_s: dict[str, float]
+    held_steps: int = 0
 
 
 class ForkItem(_Item):

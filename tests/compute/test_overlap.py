@@ -11,6 +11,7 @@ import pytest
 import redis
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+import compute.engine
 from compute.engine import Engine
 from compute.models import load_model
 from compute.scheduler import SchedulerConfig
@@ -83,13 +84,15 @@ def serve_staggered(
 
 @pytest.mark.parametrize("interval", [1, 3])
 def test_overlapped_greedy_equals_generate_with_requests_joining_and_finishing_every_step(
-    redis_url: str, served: tuple, interval: int
+    redis_url: str, served: tuple, interval: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """24 requests arrive one per step, with max_tokens 1..24 (so some finish at nearly every
     step while others are being prefilled), prompts crossing block boundaries: every output is
     transformers' greedy continuation, token for token, and most decodes were fed from the
     device (the overlap ran). With a prefill interval of 3, prompts wait for every third step
-    and the outputs are the same."""
+    and the outputs are the same. Every step carries the worker's totals (the admin page's
+    timeline), so the kvstore's last ones count the steps whose prompts waited."""
+    monkeypatch.setattr(compute.engine, "TIMELINE_EVERY_S", 0.0)
     _, _, ref = served
     prompts = prompts_of([3 + 7 * i % 61 for i in range(24)], seed=11)
     jobs = {
@@ -106,6 +109,9 @@ def test_overlapped_greedy_equals_generate_with_requests_joining_and_finishing_e
     decodes = sum(params.max_tokens - 1 for _, params in jobs.values())
     assert engine.model_step.tokens_fed >= decodes // 2, (engine.model_step.tokens_fed, decodes)
     assert (engine.scheduler.held_steps > 0) == (interval > 1)  # prompts did wait, or never
+    (row,) = [w for w in stats.workers if w.worker_id == "w-overlap"]
+    assert row.timeline is not None and row.timeline.steps == engine.steps
+    assert row.timeline.held_steps == engine.scheduler.held_steps
     assert max(running) >= 8  # many requests at once, not one after another
     assert stats.gpu.used == 0 and not stats.requests  # every block freed, none leaked by the lag
 

@@ -244,8 +244,9 @@ TIMELINE_STEPS = """
     const phases = (k) => ({ redis_in: 0.1 + k * 0.1, launch: 0.05 + k * 0.3,
       process: 0.02 + k * 0.05, kvstore: 0.01 + k * 0.04, redis_out: 0.01 + k * 0.01,
       forward: 0.04 + k * 0.25, plan: 0.01 + k * 0.02, wait: 0.015 + k * 0.04 });
-    const totals = (steps, tokens, device_s, phase_s, age) => ({ device: "cuda:0",
-      timeline: { steps, tokens, device_s, phase_s }, timeline_age_s: age });
+    const totals = (steps, tokens, device_s, phase_s, age, held_steps = 0) => ({
+      device: "cuda:0", timeline: { steps, tokens, device_s, phase_s, held_steps },
+      timeline_age_s: age });
     const out = [];
     const look = (now) => {
       tl.render(scale([tl]), now);
@@ -253,8 +254,8 @@ TIMELINE_STEPS = """
         window: tl.window, dim: tl.root.classList.contains("tl-dim") });
     };
     tl.update(totals(10, 50, 0.01, phases(0), 0.5), 1000); look(1000);
-    tl.update(totals(110, 450, 0.51, phases(1), 0.5), 1002); look(1002);
-    tl.update(totals(110, 450, 0.51, phases(1), 1.5), 1003); look(1003);
+    tl.update(totals(110, 450, 0.51, phases(1), 0.5, 60), 1002); look(1002);
+    tl.update(totals(110, 450, 0.51, phases(1), 1.5, 60), 1003); look(1003);
     const idle = Object.assign(phases(1), { redis_in: 1.2 });
     tl.update(totals(120, 450, 0.51, idle, 0.5), 1004.5); look(1004.5);
     tl.update(totals(120, 450, 0.51, idle, 9), 1012.5); look(1012.5);
@@ -284,6 +285,9 @@ def test_the_step_timeline_arithmetic(browser: WebDriver, stack: Stack) -> None:
     }
     assert window["hostMs"] == pytest.approx(5.0) and window["deviceMs"] == pytest.approx(5.0)
     assert busy["data"]["phases"] == "5"
+    assert window["held"] == 60 and busy["data"]["held"] == "60"  # --prefill-interval's waits
+    assert "prompts held back in 60 of them" in busy["text"]
+    assert first["data"]["held"] == "0"
     assert (
         "50.0 steps/s" in busy["text"] and "launch 3.00 (forward 2.50, plan 0.20)" in busy["text"]
     )

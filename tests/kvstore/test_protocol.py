@@ -59,7 +59,7 @@ SAMPLES: list[msgspec.Struct] = [
     p.DecisionRow(0, "preempt", "r1", 1.0, "swap", "swap is cheaper", 3, 40, 0.001, 0.01, None),
     p.DecisionRow(1, "prefix", "r2", 2.0, "load", "loading is cheaper", 4, 64, 0.001, 0.01, 0.002),
     p.Calibration(1024, 1e-5, 1e-6, 1e-5, 1e-6, [(1, 1e-5, 2e-5)]),
-    p.StepTimeline(3, 20, 0.01, {"launch": 0.002, "process": 0.001}),
+    p.StepTimeline(3, 20, 0.01, {"launch": 0.002, "process": 0.001}, 2),
     p.WorkerRow("w1", "cuda:0", 42, 0.5, 3, [(16, 0.001)], [(16, 0, 0.001)], None, 0.0),
     p.WorkerRow("w2", "cpu", 7, 0.1, 0, [], [], p.StepTimeline(10, 80, 0.5, {"launch": 0.1}), 0.4),
     p.Stats(

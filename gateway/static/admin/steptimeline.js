@@ -1,5 +1,6 @@
 // pagedserve admin page: each worker's step timeline. A worker's engine sends its running totals
-// (steps, tokens computed, device seconds, host seconds per engine phase) to the kvstore about
+// (steps, tokens computed, device seconds, host seconds per engine phase, steps whose prompts
+// were held back) to the kvstore about
 // once a second; the page keeps the last two different ones per worker and shows what happened
 // between them: steps/s, tokens/s, per step the host milliseconds of each phase (a stacked bar)
 // and the device milliseconds, and the last minute of them (a canvas). Used by admin.js.
@@ -62,6 +63,8 @@ window.PagedserveTimeline = (() => {
       tokensPerS: tokens / dt,
       hostMs: order.reduce((sum, p) => sum + ms[p], 0),
       deviceMs: perStep(b.t.device_s - a.t.device_s),
+      // steps whose prompts waited for the worker's --prefill-interval (0 from older workers)
+      held: Math.max(0, (b.t.held_steps || 0) - (a.t.held_steps || 0)),
       busy: tokens > 0, // steps that computed no token only waited for requests
     };
   }
@@ -132,6 +135,7 @@ window.PagedserveTimeline = (() => {
       d.steps = String(shown ? shown.steps : 0);
       d.stepsPerS = shown ? shown.stepsPerS.toFixed(2) : "0";
       d.tokensPerS = shown ? shown.tokensPerS.toFixed(2) : "0";
+      d.held = String(shown ? shown.held : 0);
       this.head.replaceChildren(...this.headline(state, shown, now));
       const key = shown && `${shown.at}|${scaleMs}|${state === "busy"}`;
       if (key !== this.drawn) {
@@ -163,6 +167,7 @@ window.PagedserveTimeline = (() => {
           text(` · ${fmtRate(shown.tokensPerS)} tokens/s · ${fmtMs(shown.hostMs)} ms/step on the host`);
           if (shown.deviceMs > 0) text(` · ${fmtMs(shown.deviceMs)} ms/step on the device`);
           text(` · over ${shown.dt.toFixed(1)} s (${shown.steps} steps)`);
+          if (shown.held > 0) text(` · prompts held back in ${shown.held} of them`);
         }
       }
       return out;
