@@ -6,7 +6,8 @@ tokens, through ``ModelRunner`` (captured graphs, Triton kernels) over a local p
 events around the replay alone time the device (no host gap inside). The roofline reads every
 weight once and every request's K/V once at ``--copy-tb-s`` (the H200's measured device copy).
 
-    python bench/decode_step.py [--shape 1b] [--batch 128] [--context 600] [--copy-tb-s 4.28]
+    python bench/decode_step.py [--shape 1b] [--batch 128 [B ...]] [--context 600]
+        [--copy-tb-s 4.28]
         [--profile] [--blas cublaslt] [--unfused] [--prefill N [--graph-tokens M] [--host-profile]]
 
 ``--profile`` also lists the kernels of one replay (``torch.profiler``): device time and count
@@ -23,6 +24,7 @@ most host time (cProfile).
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -39,7 +41,9 @@ from compute.runner import ModelRunner, ScheduledChunk
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="1b", help="the model")
-    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument(
+        "--batch", type=int, nargs="+", default=[128], help="one or more batch sizes (decode)"
+    )
     parser.add_argument("--context", type=int, default=600)
     parser.add_argument("--copy-tb-s", type=float, default=4.28)
     parser.add_argument("--steps", type=int, default=50)
@@ -65,16 +69,19 @@ def main() -> None:
     bs, layers = 16, int(config.num_hidden_layers)
     kv, d = config.num_key_value_heads or 8, config.head_dim or 64
     per_request = -(-(args.context + 1) // bs)
-    blocks = args.batch * per_request + 1
+    largest = max(args.batch)
+    if args.prefill and len(args.batch) > 1:
+        parser.error("--prefill times one batch size")
+    blocks = largest * per_request + 1
     prompt = -(-args.prefill // bs)  # the mixed step's prompt blocks
     pool = torch.zeros(blocks + prompt, layers, 2, bs, kv, d, dtype=torch.bfloat16, device="cuda")
-    graphs = 0 if args.prefill else args.batch  # a mixed step replays no decode graph
+    graphs = 0 if args.prefill else largest  # a mixed step replays no decode graph
     runner = ModelRunner(model, pool, bs, graphs, args.graph_tokens)
     batch = [
         ScheduledChunk(
             [1], args.context, list(range(1 + b * per_request, 1 + (b + 1) * per_request))
         )
-        for b in range(args.batch)
+        for b in range(largest)
     ]
     if args.prefill:
         chunk = ScheduledChunk([1] * args.prefill, 0, list(range(blocks, blocks + prompt)))
@@ -82,6 +89,27 @@ def main() -> None:
         if args.profile:
             print_kernels(lambda: runner.forward([*batch, chunk]), 0.0)
         return
+    weights = sum(t.numel() * t.element_size() for t in model.parameters())
+    for size in args.batch:
+        step_ms = decode_step(runner, batch[:size], args.steps)
+        kv_bytes = size * (args.context + 1) * layers * 2 * kv * d * 2
+        roofline_ms = (weights + kv_bytes) / (args.copy_tb_s * 1e12) * 1e3
+        print(
+            f"decode step B={size} context={args.context}"
+            f"{' unfused' if args.unfused else ''}: {step_ms:.3f} ms (median of "
+            f"{args.steps} replays); roofline {roofline_ms:.3f} ms (weights "
+            f"{weights / 1e9:.2f} GB + K/V {kv_bytes / 1e9:.2f} GB at {args.copy_tb_s} TB/s): "
+            f"{step_ms / roofline_ms:.2f}x",
+            flush=True,
+        )
+        if args.profile:
+            graphs = runner.graphs
+            assert graphs is not None
+            print_kernels(functools.partial(graphs.replay, size), step_ms)
+
+
+def decode_step(runner: ModelRunner, batch: list[ScheduledChunk], steps: int) -> float:
+    """Median device ms of ``steps`` replays of the decode graph of ``batch``, loaded once."""
     for _ in range(3):
         runner.forward(batch)
     torch.cuda.synchronize()
@@ -92,24 +120,13 @@ def main() -> None:
     p = runner.pack(batch)
     tables = runner.tables.plan([None] * len(batch), [c.block_ids for c in batch], p.width)
     graphs.load(p.ids, p.positions, p.slots, tables, p.context_lens)
-    for _ in range(args.steps):
+    for _ in range(steps):
         start.record()
-        graphs.replay(args.batch)
+        graphs.replay(len(batch))
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
-    weights = sum(t.numel() * t.element_size() for t in model.parameters())
-    kv_bytes = args.batch * (args.context + 1) * layers * 2 * kv * d * 2
-    roofline_ms = (weights + kv_bytes) / (args.copy_tb_s * 1e12) * 1e3
-    step_ms = sorted(times)[len(times) // 2]
-    print(
-        f"decode step B={args.batch} context={args.context}"
-        f"{' unfused' if args.unfused else ''}: {step_ms:.3f} ms (median of "
-        f"{args.steps} replays); roofline {roofline_ms:.3f} ms (weights {weights / 1e9:.2f} GB + "
-        f"K/V {kv_bytes / 1e9:.2f} GB at {args.copy_tb_s} TB/s): {step_ms / roofline_ms:.2f}x"
-    )
-    if args.profile:
-        print_kernels(lambda: graphs.replay(args.batch), step_ms)
+    return sorted(times)[len(times) // 2]
 
 
 def mixed_step(runner: ModelRunner, batch: list[ScheduledChunk], args: argparse.Namespace) -> None:

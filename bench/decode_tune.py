@@ -45,6 +45,12 @@ CONFIGS = [
     (128, 8, 3, 1),
     (16, 1, 4, 1),
     (16, 2, 4, 1),
+    (32, 1, 3, 1),
+    (64, 1, 3, 1),
+    (64, 2, 2, 1),
+    (64, 2, 4, 1),
+    (128, 2, 2, 1),
+    (128, 2, 3, 1),
 ]
 # (q heads, kv heads, head dim, hidden, intermediate, layers)
 SHAPES = {"1b": (32, 8, 64, 2048, 8192, 16), "8b": (32, 8, 128, 4096, 14336, 32)}
@@ -65,7 +71,7 @@ def decode_sweep(shape: str, cases: list[tuple[int, int]], layers: int) -> None:
         kdecode.decode_config = original
 
 
-SPLITS = [1, 2, 4]
+SPLITS = [1, 2, 4, 8, 16]
 
 
 def decode_case(batch: int, ctx: int, q_heads: int, kv_heads: int, d: int, layers: int) -> None:

@@ -19,7 +19,13 @@ request that finishes makes room for the next. Each step costs
 
 Everything else (norms, rotary, activations, prompt attention, gaps between kernels, host time)
 is left out: the figure is a bound the kernels as measured cannot beat, and the distance of a
-measured run from it is what those parts and the schedule's shape cost.
+measured run from it is what those parts and the schedule's shape cost. The seconds and steps
+are also split by the forward path the worker would take (decode graph, mixed graph, eager), to
+set beside the worker's own split (``bench/serve.py``'s ``device_by_path``).
+
+The products' rate is the one thing a long run does not hold at its burst value: a run that
+keeps the tensor cores busy for seconds reaches the board's power limit, and the GPU lowers its
+SM clock (``bench/sustained.py``: ~670 TFLOP/s held on the H200 against ~790 in a burst).
 
     python bench/schedule_bound.py --shape 8b --requests 1000 --products-tflops 760 \\
         --attention-tb-s 4.2 [--graph-tokens 2048 --graph-batch 256]
@@ -56,7 +62,9 @@ def bound(
     ``graphs``: the batch buckets of decode graphs and the token buckets of mixed graphs, each
     ascending (none: every step unpadded); ``prefill_interval``: a step with decodes carries
     prompt chunks only if the ``prefill_interval - 1`` steps before it carried none (the
-    scheduler's). Also counts ``steps`` and ``padded_tokens``, and ``itl_p50``: the median of
+    scheduler's). Also counts ``steps`` and ``padded_tokens``, the seconds and steps of each
+    forward path the worker would take (``decode_s``, ``decode_steps``: a decode graph;
+    ``mixed_*``: a mixed graph; ``eager_*``: no graph fits), and ``itl_p50``: the median of
     the steps' seconds over the tokens they decode (a request's inter-token gap is its step)."""
     per_token, head = flops
     products_rate, copy_rate, attention_rate = rates
@@ -69,6 +77,7 @@ def bound(
     running: list[list[int]] = []  # [job, prompt tokens computed, output tokens drawn]
     parts = {"products": 0.0, "padding": 0.0, "lm_head": 0.0, "decode_attention": 0.0}
     parts |= {"steps": 0.0, "padded_tokens": 0.0}
+    parts |= {f"{path}_{x}": 0.0 for path in PATHS for x in ("s", "steps")}
     gaps: list[tuple[float, int]] = []  # (a step's seconds, its decodes)
     quiet = prefill_interval  # steps since the last one with prompt tokens
     while waiting or running:
@@ -93,7 +102,9 @@ def bound(
                 if request[1] == prompt:  # the chunk's last row draws the first token
                     request[2], sampled = 1, sampled + 1
         buckets = graphs[0] if tokens == decodes else graphs[1]
-        padded = next((size for size in buckets if size >= tokens), tokens)
+        padded = next((size for size in buckets if size >= tokens), None)
+        path = "eager" if padded is None else "decode" if tokens == decodes else "mixed"
+        padded = tokens if padded is None else padded
         quiet = quiet + 1 if tokens == decodes else 0
         step = {
             "products": products(tokens),
@@ -105,10 +116,15 @@ def bound(
             parts[part] += seconds
         parts["padded_tokens"] += padded - tokens
         parts["steps"] += 1
+        parts[f"{path}_s"] += sum(step.values())
+        parts[f"{path}_steps"] += 1
         gaps.append((sum(step.values()), decodes))
         running = [r for r in running if not (r[1] == jobs[r[0]][0] and r[2] >= jobs[r[0]][1])]
     parts["itl_p50"] = weighted_median(gaps)
     return parts
+
+
+PATHS = ("eager", "decode", "mixed")  # the worker's timeline names them so
 
 
 def weighted_median(values: list[tuple[float, int]]) -> float:
@@ -129,7 +145,13 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    parser.add_argument("--products-tflops", type=float, default=760.0, help="measured, bf16")
+    parser.add_argument(
+        "--products-tflops",
+        type=float,
+        default=760.0,
+        help="bf16, measured in a burst; ~670 held at the H200's 700 W power cap "
+        "(bench/sustained.py), as a run of many seconds holds it",
+    )
     parser.add_argument("--copy-tb-s", type=float, default=4.28, help="device copy")
     parser.add_argument("--attention-tb-s", type=float, default=4.2, help="decode attention")
     parser.add_argument(
@@ -181,6 +203,8 @@ def main() -> None:
         f"a step's bound at the median decoded token (ITL p50 at best): "
         f"{parts['itl_p50'] * 1e3:.1f} ms"
     )
+    for path in PATHS:
+        print(f"  {path}: {parts[path + '_steps']:.0f} steps, {parts[path + '_s']:.2f} s")
 
 
 if __name__ == "__main__":

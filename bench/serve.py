@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
+from bench.device_window import DeviceWindow  # noqa: E402
 from compute.scheduler import SchedulerConfig  # noqa: E402  (pure Python, as is the next)
 from pagedserve.config import add_arguments, from_namespace, to_flags  # noqa: E402
 
@@ -170,9 +171,17 @@ def stack_on(model_dir: str, flags: list[str]) -> Iterator[tuple[str, str]]:
         server.stop()
 
 
-def serve_jobs(engine: Engine, url: str, jobs: Jobs, tag: str) -> dict[str, Any]:
+def serve_jobs(
+    engine: Engine,
+    url: str,
+    jobs: Jobs,
+    tag: str,
+    window: DeviceWindow | None = None,
+    trace: list[tuple[str, int, float]] | None = None,
+) -> dict[str, Any]:
     """Submits ``jobs`` (prompt, max_tokens) greedy with ignore_eos and steps ``engine`` until
-    every output stream is final."""
+    every output stream is final (``window``: profiles some of its steps; ``trace``: gets
+    (forward path, computed tokens, device ms) of every processed step, in order)."""
     import redis
     import redis.asyncio
 
@@ -203,7 +212,15 @@ def serve_jobs(engine: Engine, url: str, jobs: Jobs, tag: str) -> dict[str, Any]
     asyncio.run(submit())
     steps = 0
     while True:
+        if window is not None:
+            window.before_step(steps, engine.model_step.device_s)
+        before = dict(engine.model_step.by_path.totals) if trace is not None else {}
         engine.step()
+        if trace is not None:
+            for path, (n, seconds, computed) in engine.model_step.by_path.totals.items():
+                n0, seconds0, computed0 = before.get(path, (0, 0.0, 0))
+                if n > n0:  # one step processed (a step processes at most one)
+                    trace.append((path, computed - computed0, (seconds - seconds0) * 1e3))
         steps += 1
         # done: every request acked (acks delete the entry) after its final record was published
         if not engine.active and r.xlen(queue_keys.REQUEST_STREAM) == 0:
@@ -243,6 +260,8 @@ def run_ours(
     shape: str = "1b",
     graph_tokens: int = 2048,
     tokenizer: str = "",
+    window: DeviceWindow | None = None,
+    trace: list[tuple[str, int, float]] | None = None,
 ) -> dict:
     """The engine alone; it detokenizes with ``tokenizer``'s (a checkpoint directory) as the
     worker would, else with the byte tokenizer."""
@@ -281,7 +300,7 @@ def run_ours(
             profiler = cProfile.Profile() if cprofile else None
             if profiler is not None:
                 profiler.enable()
-            result = serve_jobs(engine, url, jobs, "run")
+            result = serve_jobs(engine, url, jobs, "run", window, trace)
             if profiler is not None:  # the host's view of the timed run, on stderr
                 profiler.disable()
                 pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(30)
@@ -351,11 +370,27 @@ def run_hf_static(jobs: Jobs, batch: int = 32) -> dict:
 
 
 # ----------------------------------------------------------------------------- driver
+def window_steps(text: str) -> tuple[int, int]:
+    first, _, count = text.partition(":")
+    if not (first.isdigit() and count.isdigit() and int(count) > 0):
+        raise argparse.ArgumentTypeError(f"want FIRST:COUNT, two whole numbers, got {text!r}")
+    return int(first), int(count)
+
+
+def log_line(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)  # stdout carries the run's JSON
+
+
 def one_run(args: argparse.Namespace) -> dict:
     jobs = workload(args.requests, tokenizer=args.tokenizer)
     if args.mode == "ours":
         graphs, fused = args.cuda_graphs, not args.unfused
-        return run_ours(
+        window = None
+        if args.device_window:
+            first, count = args.device_window
+            window = DeviceWindow(first, count, out=log_line)
+        trace: list[tuple[str, int, float]] | None = [] if args.step_trace else None
+        result = run_ours(
             jobs,
             from_namespace(SchedulerConfig, args),
             graphs,
@@ -364,7 +399,12 @@ def one_run(args: argparse.Namespace) -> dict:
             args.shape,
             args.graph_tokens,
             args.tokenizer,
+            window,
+            trace,
         )
+        if trace is not None:
+            Path(args.step_trace).write_text("\n".join(json.dumps(step) for step in trace))
+        return result
     if args.mode == "hf-cb":
         return run_hf_continuous(jobs)
     return run_hf_static(jobs)
@@ -402,6 +442,17 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="ours: cProfile to stderr")
     parser.add_argument(
         "--unfused", action="store_true", help="ours: transformers' own layer forwards"
+    )
+    parser.add_argument(
+        "--device-window",
+        type=window_steps,
+        metavar="FIRST:COUNT",
+        help="ours, with --mode: profile COUNT engine steps from step FIRST (bench/device_window)",
+    )
+    parser.add_argument(
+        "--step-trace",
+        metavar="FILE",
+        help="ours, with --mode: write each step's forward path, tokens and device ms (JSON lines)",
     )
     add_arguments(parser, SchedulerConfig)  # ours: the worker's scheduling flags
     args = parser.parse_args()

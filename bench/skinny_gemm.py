@@ -13,7 +13,7 @@ config is checked against an fp32 torch product before it is timed.
 Result (thirteenth pass): slower than cuBLAS everywhere but the 1B down product (0.92x); the
 simple tiling is not the way to those products' ceilings.
 
-    python bench/skinny_gemm.py [--shape 1b] [--batch 128]
+    python bench/skinny_gemm.py [--shape 1b] [--batch 128 [M ...]]
 """
 
 from __future__ import annotations
@@ -96,16 +96,23 @@ def split_k_linear(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="1b")
-    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--batch", type=int, nargs="+", default=[128], help="rows M, one or more")
     args = parser.parse_args()
-    q_heads, kv_heads, d, hidden, inter, layers = SHAPES[args.shape]
+    for m in args.batch:
+        compare(args.shape, m)
+
+
+def compare(shape: str, m: int) -> None:
+    """Prints a table row per product of ``shape`` at ``m`` rows: cuBLAS against the best
+    split-K config."""
+    q_heads, kv_heads, d, hidden, inter, layers = SHAPES[shape]
     products = {
+        "gate_up": (2 * inter, hidden),
         "qkv": ((q_heads + 2 * kv_heads) * d, hidden),
         "o": (hidden, q_heads * d),
         "down": (hidden, inter),
     }
-    m = args.batch
-    print(f"## {args.shape}, M={m}: a stack of {layers} layers per product, one CUDA graph")
+    print(f"## {shape}, M={m}: a stack of {layers} layers per product, one CUDA graph")
     print("| product | cuBLAS us/layer (GB/s) | best split-K us/layer (GB/s) | config | ratio |")
     print("|---|---|---|---|---|")
     for name, (n, k) in products.items():
