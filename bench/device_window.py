@@ -29,7 +29,6 @@ class DeviceWindow:
         self.first, self.count, self.out = first, count, out
         self._profile: Any = None
         self._device_s = 0.0
-        self.done = False
 
     def before_step(self, step: int, device_s: float) -> None:
         """Call before engine step ``step`` (0-based) with the engine's device seconds so far."""
@@ -41,17 +40,26 @@ class DeviceWindow:
             self._device_s = device_s
             self._profile = profile(activities=[ProfilerActivity.CUDA])
             self._profile.__enter__()
-        elif step == self.first + self.count and self._profile is not None:
-            torch.cuda.synchronize()
-            self._profile.__exit__(None, None, None)
-            spans = [
-                (e.time_range.start, e.time_range.end, e.name)
-                for e in self._profile.events()
-                if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > 0
-            ]
-            for line in report(spans, device_s - self._device_s, self.count):
-                self.out(line)
-            self._profile, self.done = None, True
+        elif step == self.first + self.count:
+            self.finish(step, device_s)
+
+    def finish(self, step: int, device_s: float) -> None:
+        """Stops the profiler, if it runs, and reports the steps from ``first`` to ``step`` (a
+        run that ends inside the window reports what it ran)."""
+        import torch
+
+        if self._profile is None:
+            return
+        torch.cuda.synchronize()
+        self._profile.__exit__(None, None, None)
+        spans = [
+            (e.time_range.start, e.time_range.end, e.name)
+            for e in self._profile.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > 0
+        ]
+        for line in report(spans, device_s - self._device_s, step - self.first):
+            self.out(line)
+        self._profile = None
 
 
 def report(spans: list[tuple[float, float, str]], engine_s: float, steps: int) -> list[str]:

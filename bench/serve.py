@@ -226,6 +226,8 @@ def serve_jobs(
         if not engine.active and r.xlen(queue_keys.REQUEST_STREAM) == 0:
             break
     seconds = time.perf_counter() - start
+    if window is not None:
+        window.finish(steps, engine.model_step.device_s)
     streamed = [queue_worker.read_streamed(r, rec.req_id) for rec in records]
     assert all(s.final for s in streamed), "a request was not finished"
     tokens = sum(len(s.sequences[0].token_ids) for s in streamed)
