@@ -9,6 +9,8 @@ token streams as text. Both servers get the same requests (seeded): chat complet
 64-1024 tokens, ``max_tokens`` 32-512, greedy. pagedserve is sent ``ignore_eos``;
 ``transformers serve`` refuses it, so its outputs may stop early at the model's EOS: throughput
 counts the tokens actually generated. Each server first gets 32 untimed warm-up requests.
+Beside each timed run ``nvidia-smi`` samples the SM clock and power (``bench/gpu_monitor.py``):
+an 8B run holds the H200 at its power limit, at a lower clock, which a figure should say.
 
     python bench/http_serve.py --shape 1b --requests 128 [--out DIR] [--skip-transformers]
         [--transformers-python PY] [--transformers-args=FLAGS] [--skip-pagedserve]
@@ -49,6 +51,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.gpu_monitor import GpuMonitor  # noqa: E402
 from compute.scheduler import SchedulerConfig  # noqa: E402
 from gateway.config import ADMIN_TOKEN_ENV  # noqa: E402
 from pagedserve.config import add_arguments, from_namespace, to_flags  # noqa: E402
@@ -143,9 +146,10 @@ def bench(
     seed: int = 0,
     guided: float | None = None,
 ) -> dict[str, Any]:
-    """One run of the client. ``guided``: that fraction of the requests asks for JSON of a
-    random schema; prompts are 16-256 words then (about 100-1500 tokens of the byte-level
-    tokenizer, whose text would not re-encode to the drawn token ids)."""
+    """One run of the client, with the GPU's clock and power sampled beside it (``gpu``).
+    ``guided``: that fraction of the requests asks for JSON of a random schema; prompts are
+    16-256 words then (about 100-1500 tokens of the byte-level tokenizer, whose text would not
+    re-encode to the drawn token ids)."""
     flags = ["--model", model, "--endpoint", "chat", "--seed", str(seed)]
     flags += ["--num-requests", str(requests)]
     if guided is None:
@@ -153,7 +157,10 @@ def bench(
     else:
         flags += ["--guided-fraction", str(guided), "--input-len", "16:256"]
     flags += ["--output-len", "32:512", "--ignore-eos" if ignore_eos else "--no-ignore-eos"]
-    return client(url, flags, out)
+    with GpuMonitor() as gpu:
+        result = client(url, flags, out)
+    result["gpu"] = gpu.summary()
+    return result
 
 
 def client(url: str, flags: list[str], out: Path) -> dict[str, Any]:
@@ -208,6 +215,7 @@ def run_pagedserve(
             result["worker_timeline"] = timeline_delta(before, timelines(url))
             print(f"worker step timeline over the run ({gateways} gateways): "
                   f"{result['worker_timeline']}")  # fmt: skip
+            print(f"GPU during the run: {result['gpu']}")
             return [result]
         warm_up(url, model_dir.name, model_dir, out, True, guided=max(guided))
         runs = []
@@ -310,7 +318,9 @@ def run_transformers(
         wait_http(f"http://127.0.0.1:{port}/health", process, 900, ok=False)
         url = f"http://127.0.0.1:{port}"
         warm_up(url, str(model_dir), model_dir, out, ignore_eos=False)
-        return bench(url, str(model_dir), model_dir, requests, out, ignore_eos=False)
+        result = bench(url, str(model_dir), model_dir, requests, out, ignore_eos=False)
+        print(f"GPU during transformers serve's run: {result['gpu']}")
+        return result
     finally:
         stop(process, grace_s=15)  # seen: transformers 5.17 never exiting on SIGINT
 
