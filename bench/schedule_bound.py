@@ -115,16 +115,17 @@ def bound(
         for part, seconds in step.items():
             parts[part] += seconds
         parts["padded_tokens"] += padded - tokens
+        seconds = sum(step.values())
         parts["steps"] += 1
-        parts[f"{path}_s"] += sum(step.values())
+        parts[f"{path}_s"] += seconds
         parts[f"{path}_steps"] += 1
-        gaps.append((sum(step.values()), decodes))
+        gaps.append((seconds, decodes))
         running = [r for r in running if not (r[1] == jobs[r[0]][0] and r[2] >= jobs[r[0]][1])]
     parts["itl_p50"] = weighted_median(gaps)
     return parts
 
 
-PATHS = ("eager", "decode", "mixed")  # the worker's timeline names them so
+PATHS = ("eager", "decode", "mixed")  # the worker's "eager", "decode_graph", "mixed_graph"
 
 
 def weighted_median(values: list[tuple[float, int]]) -> float:

@@ -14,12 +14,16 @@ from __future__ import annotations
 import argparse
 import functools
 import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
-QUERY = "clocks.sm,power.draw,clocks_event_reasons.active"
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.gpu_monitor import QUERY
 
 
 def gpu_state() -> str:

@@ -231,14 +231,12 @@ def compile_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, q_heads: int)
     Triton compiles a variant at its first launch, which stalls the caller for ~0.3 s: a
     worker does this before traffic (a mixed step's split count depends on its batch). Reads
     block 0 of the caches, writes nothing to them. Returns the number of launches."""
-    block_size, head_dim = k_cache.shape[1], k_cache.shape[3]
-    block_n = decode_config(head_dim, q_heads // k_cache.shape[2])["BLOCK_N"]
-    device = k_cache.device
+    head_dim, device = k_cache.shape[3], k_cache.device
     query = torch.zeros(1, q_heads, head_dim, dtype=k_cache.dtype, device=device)
     context = torch.ones(1, dtype=torch.int32, device=device)
+    table = torch.zeros(1, 1, dtype=torch.int32, device=device)  # block 0
     splits = [1 << k for k in range(MAX_SPLITS.bit_length())]  # 1, 2, 4, ..., MAX_SPLITS
-    for n in splits:
-        table = torch.zeros(1, cdiv(n * block_n, block_size), dtype=torch.int32, device=device)
+    for n in splits:  # a request uses one split of its one token; the others exit at once
         paged_decode(query, k_cache, v_cache, table, context, 1.0, num_splits=n)
     return len(splits)
 
