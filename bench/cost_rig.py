@@ -144,7 +144,7 @@ class Rig:
 
 def build_model(args: argparse.Namespace) -> PreTrainedModel:
     """The worker's model: ``tiny`` on CPU (``load_model``); on CUDA a random bf16 Llama
-    (``bench.serve``'s configs, initialised on the GPU: minutes faster for 8b), fused as a
+    (``bench.shapes``' configs, initialised on the GPU: minutes faster for 8b), fused as a
     worker fuses it."""
     if args.device == "cpu":
         from compute.models import load_model
@@ -152,7 +152,7 @@ def build_model(args: argparse.Namespace) -> PreTrainedModel:
         return load_model("tiny", "auto", "cpu")[0]
     from transformers import AutoModelForCausalLM
 
-    from bench.serve import SHAPES
+    from bench.shapes import SHAPES
     from compute.fused import fuse_layers
 
     config = SHAPES[args.shape]()

@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import compute.attention  # noqa: F401  (registers the "paged" attention function)
-from bench.serve import SHAPES, build_model
+from bench.shapes import SHAPES, build_model
 from compute.runner import ModelRunner, ScheduledChunk
 
 

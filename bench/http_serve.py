@@ -52,6 +52,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.gpu_monitor import GpuMonitor  # noqa: E402
+from bench.shapes import checkpoint  # noqa: E402
 from compute.scheduler import SchedulerConfig  # noqa: E402
 from gateway.config import ADMIN_TOKEN_ENV  # noqa: E402
 from pagedserve.config import add_arguments, from_namespace, to_flags  # noqa: E402
@@ -60,62 +61,6 @@ from pagedserve.redis_server import free_port  # noqa: E402
 # The engines send their step totals about once a second: after a run, wait for the next ones.
 TIMELINE_WAIT_S = 1.5
 WORKER_DEFAULTS = SchedulerConfig()  # frozen
-CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
-
-
-def checkpoint(directory: Path, shape: str, byte_level: bool = False) -> Path:
-    """A random-weight bf16 checkpoint with a word-level tokenizer (``byte_level``: a byte-level
-    one of the same vocabulary size, ``bench/byte_vocab.py``, which can spell JSON), built once,
-    in a child process, and synced to disk before a server starts: built in this process, it
-    left a CUDA context and the caching allocator's copy of the weights (16 GB at 8B) here while
-    the servers ran, and the kvstore sizes its pool from the GPU's free memory."""
-    if (directory / "config.json").exists():
-        return directory
-    code = "import sys; from bench.http_serve import build_checkpoint as b; b(*sys.argv[1:])"
-    flags = [str(directory), shape, "bytes" if byte_level else "words"]
-    subprocess.run([sys.executable, "-c", code, *flags], cwd=ROOT, check=True)
-    os.sync()
-    return directory
-
-
-def build_checkpoint(directory: str, shape: str, vocab: str) -> None:
-    """``checkpoint``'s child: builds and saves it (``vocab``: ``words`` or ``bytes``)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from bench.serve import SHAPES
-
-    path = Path(directory)
-    config = SHAPES[shape]()
-    torch.manual_seed(0)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # 8B: minutes on a CPU
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(path)
-    if vocab == "bytes":
-        from bench.byte_vocab import byte_level_tokenizer
-
-        tokenizer = byte_level_tokenizer(config.vocab_size)
-        tokenizer.chat_template = CHAT_TEMPLATE
-        tokenizer.save_pretrained(path)
-    else:
-        save_word_level_tokenizer(path, config.vocab_size)
-
-
-def save_word_level_tokenizer(directory: Path, vocab_size: int) -> None:
-    """Saves in ``directory`` a tokenizer whose token ``i`` is the word ``w{i}`` (BOS w128000,
-    EOS w128001 as Llama-3's; unknown w0), with a chat template that only joins the messages'
-    contents. ``vocab_size`` > 128001."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {f"w{i}": i for i in range(vocab_size)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="w128000", eos_token="w128001", unk_token="w0"
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(directory)
 
 
 def wait_http(url: str, process: subprocess.Popen[bytes], timeout_s: float, ok: bool) -> None:

@@ -35,12 +35,12 @@ sys.path.insert(0, str(ROOT))
 
 from bench.http_serve import (  # noqa: E402
     admin,
-    checkpoint,
     client,
     pagedserve_up,
     timeline_delta,
     timelines,
 )
+from bench.shapes import checkpoint  # noqa: E402
 
 GiB = 1 << 30
 TIER_FLAG = "--cpu-prefix-cache"

@@ -40,8 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.http_serve import save_word_level_tokenizer
-from bench.serve import SHAPES, workload
+from bench.shapes import SHAPES, save_word_level_tokenizer, workload
 from compute.graphs import bucket_sizes
 from compute.mixed_graphs import token_buckets
 

@@ -2,8 +2,9 @@
 
 A Llama-3.2-1B-shaped random-weight bf16 model serves 128 requests (prompts uniform 64-1024
 tokens, outputs uniform 32-512, ignore_eos, seed 0): all submitted at once to Redis, served by
-the engine until every output stream is final. Baselines in the same run, each in its own
-process (nothing of ours imported, all GPU memory back between runs):
+the engine until every output stream is final (the models and workload: ``bench/shapes.py``).
+Baselines in the same run (``bench/hf_baselines.py``), each in its own process (nothing of ours
+imported, all GPU memory back between runs):
 
 - transformers' continuous batching (``init_continuous_batching``, the manager behind
   ``generate_batch``, with ``attn_implementation="paged|sdpa"``), each request with its own
@@ -24,7 +25,6 @@ import contextlib
 import cProfile
 import json
 import pstats
-import random
 import subprocess
 import sys
 import tempfile
@@ -32,114 +32,20 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM  # noqa: E402
-
 from bench.device_window import DeviceWindow  # noqa: E402
+from bench.shapes import SHAPES, Jobs, build_model, workload  # noqa: E402
 from compute.scheduler import SchedulerConfig  # noqa: E402  (pure Python, as is the next)
 from pagedserve.config import add_arguments, from_namespace, to_flags  # noqa: E402
 
 if TYPE_CHECKING:  # the baselines' processes import none of our GPU code
-    from transformers.generation import ContinuousBatchingManager
-
     from compute.engine import Engine
-
-Jobs = list[tuple[list[int], int]]  # (prompt, max_tokens)
-
-
-class CanGenerate(Protocol):
-    """A causal LM's ``generate`` (``GenerationMixin``). transformers annotates its ``self`` as
-    its ``GenerativePreTrainedModel`` Protocol, which none of its models satisfies under mypy."""
-
-    def generate(self, **kwargs: Any) -> object: ...
-
-
-def llama_config(**geometry: Any) -> LlamaConfig:
-    """A Llama-3 family config: its 128k vocabulary, 32 query / 8 KV heads, rope theta 500k."""
-    return LlamaConfig(
-        vocab_size=128256,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
-        bos_token_id=128000,
-        eos_token_id=128001,
-        **geometry,
-    )
-
-
-def llama_1b_config() -> LlamaConfig:
-    return llama_config(
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_hidden_layers=16,
-        head_dim=64,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-    )
-
-
-def llama_8b_config() -> LlamaConfig:
-    return llama_config(
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        head_dim=128,
-        max_position_embeddings=8192,
-        tie_word_embeddings=False,
-    )
-
-
-SHAPES = {"1b": llama_1b_config, "8b": llama_8b_config}  # Llama-3.2-1B, Llama-3.1-8B
-
-
-def workload(n: int, seed: int = 0, tokenizer: str = "") -> Jobs:
-    """``n`` requests: prompts of 64-1024 tokens, outputs of 32-512. With ``tokenizer`` (a
-    checkpoint directory), exactly the chat requests ``pagedserve bench --seed seed`` sends to it
-    (``bench/http_serve.py``'s flags), as the token ids the gateway makes of them (chat template
-    rendered, then encoded without special tokens), so the engine alone and the HTTP runs serve
-    one workload; without, uniform random ids."""
-    if not tokenizer:
-        rng = random.Random(seed)
-        return [
-            ([rng.randrange(128000) for _ in range(rng.randint(64, 1024))], rng.randint(32, 512))
-            for _ in range(n)
-        ]
-    from contracts.tokenizer import load_tokenizer
-    from pagedserve.bench import tokenizer_of
-    from pagedserve.bench_workloads import TextMaker, build
-
-    decode, vocab = tokenizer_of(tokenizer)
-    groups = build("random", n, (64, 1024), (32, 512), seed, lambda r: TextMaker(r, decode, vocab))
-    chat = load_tokenizer(tokenizer)
-    jobs = []
-    for (turn,) in groups:
-        messages = [{"role": "user", "content": turn.text}]
-        text = chat.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        jobs.append((list(chat(str(text), add_special_tokens=False)["input_ids"]), turn.max_tokens))
-    return jobs
-
-
-def build_model(config: LlamaConfig, attn: str, fused: bool = True) -> LlamaForCausalLM:
-    """The random bf16 model on CUDA; with paged attention, fused as the worker fuses it
-    (``compute.fused``) unless ``fused`` is False. Initialized on the GPU (seconds for the 8B
-    shape, where the CPU takes minutes)."""
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(
-            config, attn_implementation=attn, dtype=torch.bfloat16
-        )
-    model = model.eval()
-    if attn == "paged" and fused:
-        from compute.fused import fuse_layers
-
-        fuse_layers(model)
-    return model
 
 
 # ----------------------------------------------------------------------------- ours
@@ -313,64 +219,6 @@ def run_ours(
     return result
 
 
-# ----------------------------------------------------------------------------- baselines
-def run_hf_continuous(jobs: Jobs) -> dict:
-    """transformers' continuous batching manager, one request per job with its own length."""
-    from transformers import GenerationConfig
-
-    model = build_model(llama_1b_config(), "paged|sdpa")
-    gen = GenerationConfig(max_new_tokens=512, do_sample=False, eos_token_id=-1, pad_token_id=0)
-    manager = model.init_continuous_batching(generation_config=gen)
-    manager.start()
-    try:
-        warm = [manager.add_request(p, max_new_tokens=8) for p, _ in jobs[:4]]
-        _collect(manager, set(warm))
-        start = time.perf_counter()
-        ids = [manager.add_request(prompt, max_new_tokens=m) for prompt, m in jobs]
-        tokens = _collect(manager, set(ids))
-        seconds = time.perf_counter() - start
-    finally:
-        manager.stop(block=True, timeout=60)
-    return {"seconds": seconds, "tokens": tokens}
-
-
-def _collect(manager: ContinuousBatchingManager, ids: set[str | None]) -> int:
-    tokens = 0
-    while ids:
-        result = manager.get_result(timeout=600)
-        if result is None:
-            raise RuntimeError("transformers' continuous batching stopped early")
-        if result.is_finished() and result.request_id in ids:
-            ids.discard(result.request_id)
-            tokens += len(result.generated_tokens)
-    return tokens
-
-
-def run_hf_static(jobs: Jobs, batch: int = 32) -> dict:
-    model = build_model(llama_1b_config(), "sdpa")
-    model.generation_config.pad_token_id = 0
-    useful, start = 0, time.perf_counter()
-    for lo in range(0, len(jobs), batch):
-        part = jobs[lo : lo + batch]
-        width = max(len(prompt) for prompt, _ in part)
-        ids = torch.zeros(len(part), width, dtype=torch.long)
-        mask = torch.zeros(len(part), width, dtype=torch.long)
-        for i, (prompt, _) in enumerate(part):  # left padding
-            ids[i, width - len(prompt) :] = torch.tensor(prompt)
-            mask[i, width - len(prompt) :] = 1
-        new = max(m for _, m in part)
-        cast(CanGenerate, model).generate(
-            input_ids=ids.cuda(),
-            attention_mask=mask.cuda(),
-            max_new_tokens=new,
-            min_new_tokens=new,
-            do_sample=False,
-        )
-        useful += sum(m for _, m in part)
-    torch.cuda.synchronize()
-    return {"seconds": time.perf_counter() - start, "tokens": useful}
-
-
 # ----------------------------------------------------------------------------- driver
 def window_steps(text: str) -> tuple[int, int]:
     first, _, count = text.partition(":")
@@ -407,6 +255,8 @@ def one_run(args: argparse.Namespace) -> dict:
         if trace is not None:
             Path(args.step_trace).write_text("\n".join(json.dumps(step) for step in trace))
         return result
+    from bench.hf_baselines import run_hf_continuous, run_hf_static
+
     if args.mode == "hf-cb":
         return run_hf_continuous(jobs)
     return run_hf_static(jobs)

@@ -137,8 +137,7 @@ def test_the_engine_alone_bench_serves_the_requests_the_client_sends(tmp_path: P
     import msgspec
     from transformers import LlamaConfig
 
-    from bench.http_serve import save_word_level_tokenizer
-    from bench.serve import workload
+    from bench.shapes import save_word_level_tokenizer, workload
     from gateway.config import GatewayConfig
     from gateway.prepare import ModelInfo, prepare_chat
     from gateway.schemas import ChatRequest
