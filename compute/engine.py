@@ -52,7 +52,8 @@ from types import MappingProxyType
 import redis
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from compute.grammar import GrammarError, Grammars
+from compute.grammar import Grammars
+from compute.intake import Intake
 from compute.kvsync import Diverged, KVSync, Sent
 from compute.model_step import ModelStep
 from compute.profile import RecomputeProfile
@@ -63,7 +64,7 @@ from compute.runner import ModelRunner
 from compute.scheduler import Scheduler, SchedulerConfig
 from compute.timeline import TimelineLog
 from contracts import queue_keys, queue_worker
-from contracts.records import FinishReason, OutputRecord, RecordError, RequestRecord
+from contracts.records import FinishReason, OutputRecord
 from contracts.tokenizer import output_decoder
 from kernels.compile_watch import CompileWatch
 from kvstore import protocol as p
@@ -74,7 +75,6 @@ log = logging.getLogger("pagedserve.compute")
 # What a worker survives by rebuilding its state: the kvstore or Redis away, or out of step.
 RECOVERABLE = (KVStoreTimeout, KVStoreError, redis.RedisError, Diverged)
 RETRY_MAX_S = 5.0
-GATEWAY_MISSING_S = 5.0  # a gateway's liveness key missing this long: the gateway is gone
 TIMELINE_EVERY_S = 1.0  # how often a step carries the running totals to the kvstore
 
 
@@ -166,12 +166,16 @@ class Engine:
         )
         self._finals: list[OutputRecord] = []  # ended requests' records, to publish
         self._acks: list[str] = []  # their entries, to ack
-        self._next_lease_check = 0.0
-        self._incoming: list[tuple[str, RequestRecord]] = []  # read by the last Redis job
-        self._missing_since: dict[str, float] = {}  # gateway -> when its key was first missed
+        self.intake = Intake(
+            self.redis,
+            self.worker_id,
+            self.claim_idle_ms,
+            self.requests,
+            self.model_step.free_later,
+        )
         queue_worker.ensure_group(self.redis)
         for entry_id, record in queue_worker.claim_own(self.redis, self.worker_id, redeliver):
-            self._take_over(entry_id, record)
+            self.intake.take_over(entry_id, record)
         log.info(
             "worker %s registered: %d GPU blocks (at most %d per request), block size %d; "
             "%d requests of its own taken back",
@@ -238,7 +242,7 @@ class Engine:
         """No request in hand, no step on the device and nothing left to publish."""
         return (
             not self.active
-            and not self._incoming
+            and not self.intake.incoming
             and not self._finals
             and self.model_step.inflight is None
             and self.publisher.idle
@@ -263,7 +267,8 @@ class Engine:
         writes one pipelined Redis batch."""
         clock = time.perf_counter()
         waits = self.idle  # nothing in hand: the read may wait for a request
-        self._take_requests(block_ms if waits else None)
+        room = self.config.max_num_seqs - len(self.active) - len(self.intake.incoming)
+        self.intake.take(room, self.accepting, waits, block_ms if waits else None)
         if waits:
             now = time.perf_counter()
             self.idle_s += now - clock
@@ -298,9 +303,9 @@ class Engine:
         self._finals, self._acks = [], []
         active = self.active
         found = self.publisher.wait()  # the last job's: checks, and the requests it read
-        self._incoming += found.requests
+        self.intake.incoming += found.requests
         busy = bool(active) or model.inflight is not None  # else: the next step waits on Redis
-        room = self.config.max_num_seqs - len(active) - len(self._incoming)
+        room = self.config.max_num_seqs - len(active) - len(self.intake.incoming)
         read = room if busy and self.accepting else 0
         self.publisher.submit(records, acks, list(active), self.requests.gateways(), read)
         self._phase("redis_out", clock)
@@ -309,7 +314,7 @@ class Engine:
                 if req_id in active:
                     self._end(active[req_id], "abort")
             self._end_orphans(found.checked.gateways_gone)
-        worked = bool(self.active or records or self._incoming) or model.inflight is not None
+        worked = bool(self.active or records or self.intake.incoming) or model.inflight is not None
         if worked:
             self.steps += 1
         return worked
@@ -329,16 +334,8 @@ class Engine:
         return self._phase("kvstore", clock)
 
     def _end_orphans(self, missing: set[str]) -> None:
-        """Ends the requests of the gateways whose liveness key has been missing for
-        ``GATEWAY_MISSING_S`` (not at the first miss: a Redis restart may have lost the key of a
-        live gateway, which sets it again as soon as it sees Redis back)."""
-        now = time.monotonic()
-        for gateway in set(self._missing_since) - missing:
-            del self._missing_since[gateway]
-        for gateway in missing:
-            if now - self._missing_since.setdefault(gateway, now) < GATEWAY_MISSING_S:
-                continue
-            del self._missing_since[gateway]
+        """Ends the requests of the gateways gone (``Intake.gone``)."""
+        for gateway in self.intake.gone(missing):
             orphans = [a for a in self.active.values() if a.record.gateway == gateway]
             log.warning("gateway %s is gone: aborting its %d requests", gateway, len(orphans))
             for request in orphans:
@@ -348,67 +345,6 @@ class Engine:
         now = time.perf_counter()
         self.phase_s[name] += now - since
         return now
-
-    def _take_requests(self, block_ms: int | None) -> None:
-        """Starts the requests the last Redis job read (``Publisher``), takes over those of dead
-        workers, and when idle reads new ones itself, waiting up to ``block_ms`` for them (no
-        Redis job reads for an idle engine)."""
-        idle = self.idle
-        room = self.config.max_num_seqs - len(self.active) - len(self._incoming)
-        if time.monotonic() >= self._next_lease_check:
-            self._next_lease_check = time.monotonic() + self.claim_idle_ms / 4000
-            self._renew_leases()
-            if room > 0 and self.accepting:
-                for entry_id, record in queue_worker.claim_stale(
-                    self.redis, self.worker_id, self.claim_idle_ms, room
-                ):
-                    room -= self._take_over(entry_id, record)
-        taken, self._incoming = self._incoming, []  # pending for this worker: start them
-        if idle and room > 0 and self.accepting:
-            taken += queue_worker.read_requests(self.redis, self.worker_id, room, block_ms)
-        for entry_id, record in taken:
-            try:
-                self.requests.start(entry_id, record)
-            except GrammarError as err:  # the gateway checks guides: a client of Redis itself
-                self._refuse(entry_id, record, f"its guide is refused: {err}")
-
-    def _renew_leases(self) -> None:
-        """Keeps other workers from taking over this one's requests (``queue_worker.touch``); stops
-        working on those another worker took over meanwhile."""
-        entries = {a.entry_id: a for a in self.active.values()}
-        lost = set(entries) - set(queue_worker.touch(self.redis, self.worker_id, list(entries)))
-        for entry_id in lost:
-            log.warning(
-                "request %s was taken over by another worker", entries[entry_id].record.req_id
-            )
-            self.model_step.free_later(self.requests.remove(entries[entry_id]))
-
-    def _take_over(self, entry_id: str, record: RequestRecord) -> int:
-        """A request whose worker died (or this one before it lost track of it): continue it
-        from the tokens it already streamed, on the kvstore's blocks if they are still there
-        (``adopt``). Returns 1 if it became active."""
-        try:
-            streamed = queue_worker.read_streamed(self.redis, record.req_id)
-        except RecordError as err:  # its output is unreadable: it cannot go on
-            self._refuse(entry_id, record, str(err))
-            return 0
-        if streamed.final:  # it finished; only the ack was lost
-            queue_worker.ack(self.redis, [entry_id])
-            return 0
-        counts = {i: len(seq.token_ids) for i, seq in streamed.sequences.items()}
-        log.info("taking over %s after %s streamed tokens per branch", record.req_id, counts)
-        try:
-            self.requests.resume_streamed(entry_id, record, streamed)
-        except GrammarError as err:
-            self._refuse(entry_id, record, f"its guide is refused: {err}")
-            return 0
-        return 1
-
-    def _refuse(self, entry_id: str, record: RequestRecord, error: str) -> None:
-        """Fails a request that never became active: its error record, its entry acked."""
-        log.error("request %s failed: %s", record.req_id, error)
-        failed = OutputRecord(record.req_id, finish_reason="error", error=error, final=True)
-        queue_worker.step(self.redis, [failed], [entry_id])
 
     def grammars(self) -> Grammars:
         """The worker's grammar compiler (its tokenizer's vocabulary, as wide as the logits)."""

@@ -1,0 +1,121 @@
+"""A worker's requests in from Redis, for the engine's loop (``compute.engine``).
+
+``Intake`` starts the requests the worker's last Redis job read, reads new ones itself when the
+engine is idle, keeps the worker's claim on its pending requests (``queue_worker.touch``), takes
+over those of dead workers (``queue_worker.claim_stale``), and tells which gateways have been gone
+long enough for their requests to end. It owns the requests read but not started yet, the lease
+clock and the gateways seen missing; the requests it starts belong to ``Requests``. The engine
+makes a new one whenever it (re)connects, with its new ``Requests``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import redis
+
+from compute.grammar import GrammarError
+from compute.registry import Requests
+from contracts import queue_worker
+from contracts.records import OutputRecord, RecordError, RequestRecord
+
+__all__ = ["GATEWAY_MISSING_S", "Intake"]
+
+log = logging.getLogger("pagedserve.compute")
+GATEWAY_MISSING_S = 5.0  # a gateway's liveness key missing this long: the gateway is gone
+
+
+class Intake:
+    """Requests in for worker ``worker_id``. ``free_later`` frees the kvstore's sequences of a
+    request another worker took over (``ModelStep.free_later``)."""
+
+    def __init__(
+        self,
+        r: redis.Redis,
+        worker_id: str,
+        claim_idle_ms: int,
+        requests: Requests,
+        free_later: Callable[[list[str]], None],
+    ) -> None:
+        self.redis, self.worker_id, self.claim_idle_ms = r, worker_id, claim_idle_ms
+        self.requests = requests
+        self.free_later = free_later
+        self.incoming: list[tuple[str, RequestRecord]] = []  # read by the last Redis job
+        self._next_lease_check = 0.0
+        self._missing_since: dict[str, float] = {}  # gateway -> when its key was first missed
+
+    def take(self, room: int, accepting: bool, idle: bool, block_ms: int | None) -> None:
+        """Starts the requests the last Redis job read and takes over those of dead workers
+        (while ``room`` lasts and ``accepting``); when ``idle`` it reads new ones itself,
+        waiting up to ``block_ms`` for them (no Redis job reads for an idle engine)."""
+        if time.monotonic() >= self._next_lease_check:
+            self._next_lease_check = time.monotonic() + self.claim_idle_ms / 4000
+            self.renew_leases()
+            if room > 0 and accepting:
+                for entry_id, record in queue_worker.claim_stale(
+                    self.redis, self.worker_id, self.claim_idle_ms, room
+                ):
+                    room -= self.take_over(entry_id, record)
+        taken, self.incoming = self.incoming, []  # pending for this worker: start them
+        if idle and room > 0 and accepting:
+            taken += queue_worker.read_requests(self.redis, self.worker_id, room, block_ms)
+        for entry_id, record in taken:
+            try:
+                self.requests.start(entry_id, record)
+            except GrammarError as err:  # the gateway checks guides: a client of Redis itself
+                self.refuse(entry_id, record, f"its guide is refused: {err}")
+
+    def renew_leases(self) -> None:
+        """Keeps other workers from taking over this one's requests (``queue_worker.touch``);
+        stops working on those another worker took over meanwhile."""
+        entries = {a.entry_id: a for a in self.requests.active.values()}
+        lost = set(entries) - set(queue_worker.touch(self.redis, self.worker_id, list(entries)))
+        for entry_id in lost:
+            log.warning(
+                "request %s was taken over by another worker", entries[entry_id].record.req_id
+            )
+            self.free_later(self.requests.remove(entries[entry_id]))
+
+    def take_over(self, entry_id: str, record: RequestRecord) -> int:
+        """A request whose worker died (or this one before it lost track of it): continue it
+        from the tokens it already streamed, on the kvstore's blocks if they are still there
+        (``adopt``). Returns 1 if it became active."""
+        try:
+            streamed = queue_worker.read_streamed(self.redis, record.req_id)
+        except RecordError as err:  # its output is unreadable: it cannot go on
+            self.refuse(entry_id, record, str(err))
+            return 0
+        if streamed.final:  # it finished; only the ack was lost
+            queue_worker.ack(self.redis, [entry_id])
+            return 0
+        counts = {i: len(seq.token_ids) for i, seq in streamed.sequences.items()}
+        log.info("taking over %s after %s streamed tokens per branch", record.req_id, counts)
+        try:
+            self.requests.resume_streamed(entry_id, record, streamed)
+        except GrammarError as err:
+            self.refuse(entry_id, record, f"its guide is refused: {err}")
+            return 0
+        return 1
+
+    def refuse(self, entry_id: str, record: RequestRecord, error: str) -> None:
+        """Fails a request that never became active: its error record, its entry acked."""
+        log.error("request %s failed: %s", record.req_id, error)
+        failed = OutputRecord(record.req_id, finish_reason="error", error=error, final=True)
+        queue_worker.step(self.redis, [failed], [entry_id])
+
+    def gone(self, missing: set[str], now: float | None = None) -> list[str]:
+        """The gateways among ``missing`` (whose liveness key a Redis job found missing) that
+        have been missing for ``GATEWAY_MISSING_S``, each returned once. Not at the first miss:
+        a Redis restart may have lost the key of a live gateway, which sets it again as soon as
+        it sees Redis back; a gateway not in ``missing`` is forgotten."""
+        now = time.monotonic() if now is None else now
+        for gateway in set(self._missing_since) - missing:
+            del self._missing_since[gateway]
+        gone = []
+        for gateway in sorted(missing):
+            if now - self._missing_since.setdefault(gateway, now) >= GATEWAY_MISSING_S:
+                del self._missing_since[gateway]
+                gone.append(gateway)
+        return gone
