@@ -106,14 +106,20 @@ def decode_case(batch: int, ctx: int, q_heads: int, kv_heads: int, d: int, layer
         print(f"| {batch} x {ctx} | {label} | " + " | ".join(cells) + " |", flush=True)
 
 
-def gemm_sweep(shape: str, batches: list[int]) -> None:
-    q_heads, kv_heads, d, hidden, inter, layers = SHAPES[shape]
-    weights = {
+def layer_products(shape: str) -> dict[str, tuple[int, int]]:
+    """A decoder layer's products of ``shape`` in forward order: name -> (N, K) of its weight."""
+    q_heads, kv_heads, d, hidden, inter, _ = SHAPES[shape]
+    return {
         "qkv": ((q_heads + 2 * kv_heads) * d, hidden),
         "o": (hidden, q_heads * d),
         "gate_up": (2 * inter, hidden),
         "down": (hidden, inter),
     }
+
+
+def gemm_sweep(shape: str, batches: list[int]) -> None:
+    hidden, layers = SHAPES[shape][3], SHAPES[shape][5]
+    weights = layer_products(shape)
     stack = [
         {name: torch.randn(n, k, device=DEV, dtype=BF16) * 0.02 for name, (n, k) in weights.items()}
         for _ in range(layers)

@@ -34,7 +34,7 @@ from torch.nn import functional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.decode_tune import SHAPES, VOCAB
+from bench.decode_tune import SHAPES, VOCAB, layer_products
 from bench.kernels import graph_ms
 
 DEV, BF16 = torch.device("cuda"), torch.bfloat16
@@ -95,16 +95,6 @@ def can_prefetch(k: int) -> bool:
     """The prefetch's line count, ``k / LINE``, is one ``tl.arange``: a power of two."""
     lines = k // LINE
     return lines & (lines - 1) == 0
-
-
-def products(shape: str) -> dict[str, tuple[int, int]]:
-    q_heads, kv_heads, d, hidden, inter, _ = SHAPES[shape]
-    return {
-        "qkv": ((q_heads + 2 * kv_heads) * d, hidden),
-        "o": (hidden, q_heads * d),
-        "gate_up": (2 * inter, hidden),
-        "down": (hidden, inter),
-    }
 
 
 def stack(
@@ -168,7 +158,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=128, help="rows M")
     args = parser.parse_args()
     m, layers, hidden = args.batch, SHAPES[args.shape][5], SHAPES[args.shape][3]
-    shapes = products(args.shape)
+    shapes = layer_products(args.shape)
     configs = {}
     print(f"## {args.shape}, M={m}: best plain config per product (stack of {layers})")
     for name, (n, k) in shapes.items():

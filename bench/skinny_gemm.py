@@ -32,7 +32,7 @@ from torch.nn import functional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.decode_tune import SHAPES
+from bench.decode_tune import SHAPES, layer_products
 from bench.kernels import graph_ms
 from kernels._tl_utils import mma
 
@@ -105,13 +105,8 @@ def main() -> None:
 def compare(shape: str, m: int) -> None:
     """Prints a table row per product of ``shape`` at ``m`` rows: cuBLAS against the best
     split-K config."""
-    q_heads, kv_heads, d, hidden, inter, layers = SHAPES[shape]
-    products = {
-        "gate_up": (2 * inter, hidden),
-        "qkv": ((q_heads + 2 * kv_heads) * d, hidden),
-        "o": (hidden, q_heads * d),
-        "down": (hidden, inter),
-    }
+    layers = SHAPES[shape][5]
+    products = layer_products(shape)
     print(f"## {shape}, M={m}: a stack of {layers} layers per product, one CUDA graph")
     print("| product | cuBLAS us/layer (GB/s) | best split-K us/layer (GB/s) | config | ratio |")
     print("|---|---|---|---|---|")
