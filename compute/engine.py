@@ -52,19 +52,21 @@ from types import MappingProxyType
 import redis
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from compute.grammar import Grammars
+from compute.admission import ModelLimits
+from compute.faults import Faults, RequestError
+from compute.grammar import Grammars, GuidesUnsupported
 from compute.intake import Intake
 from compute.kvsync import Diverged, KVSync, Sent
 from compute.model_step import ModelStep
 from compute.profile import RecomputeProfile
 from compute.publisher import Publisher
 from compute.registry import Requests
-from compute.requests import Active, output_record
+from compute.requests import Active
 from compute.runner import ModelRunner
 from compute.scheduler import Scheduler, SchedulerConfig
 from compute.timeline import TimelineLog
 from contracts import queue_keys, queue_worker
-from contracts.records import FinishReason, OutputRecord
+from contracts.records import ErrorCode, FinishReason, OutputRecord
 from contracts.tokenizer import output_decoder
 from kernels.compile_watch import CompileWatch
 from kvstore import protocol as p
@@ -127,7 +129,9 @@ class Engine:
         self.publisher = Publisher(r, worker_id)
         self.runner: ModelRunner | None = None
         self._pool: p.PoolInfo | None = None
-        self._grammars: Grammars | None = None  # made for the first guided request
+        self.limits = ModelLimits.of(model)  # what a request may ask of the model
+        # made for the first guided request (or why the model has none)
+        self._grammars: Grammars | GuidesUnsupported | None = None
         self._connect(redeliver=True)
         # from here on a Triton kernel variant built stalls every request: logged, timed as
         # the ``compile`` phase
@@ -160,9 +164,10 @@ class Engine:
         )
         self.kvsync = KVSync(self.kv, self.worker_id, self.requests)
         self._sent: Sent | None = None  # the last Step, its reply taken in after the next launch
+        self.faults = Faults(RECOVERABLE)  # requests whose own work raised, to end
         assert self.runner is not None
         self.model_step = ModelStep(
-            self.runner, self.requests, self.kvsync, self._decode, self.phase_s
+            self.runner, self.requests, self.kvsync, self._decode, self.phase_s, self.faults
         )
         self._finals: list[OutputRecord] = []  # ended requests' records, to publish
         self._acks: list[str] = []  # their entries, to ack
@@ -172,6 +177,8 @@ class Engine:
             self.claim_idle_ms,
             self.requests,
             self.model_step.free_later,
+            self.faults,
+            self.limits,
         )
         queue_worker.ensure_group(self.redis)
         for entry_id, record in queue_worker.claim_own(self.redis, self.worker_id, redeliver):
@@ -279,12 +286,14 @@ class Engine:
         launched = model.launch()
         clock = self._phase("launch", clock)
         earlier, model.inflight = model.inflight, launched
+        self.end_faults()  # requests whose launch work failed: freed after the launched step
         if launched is not None and not launched.sync:
             clock = self._take_reply(clock)  # the kvstore answered while the step was launched
         outputs = [model.process(earlier)] if earlier is not None else []
         if launched is not None and launched.sync:
             model.inflight = None
             outputs.append(model.process(launched))
+        self.end_faults()
         clock = self._phase("process", clock)
         clock = self._take_reply(clock)  # nothing launched (or a forking step): after process
         if clock - self._timeline_sent_at >= TIMELINE_EVERY_S:  # the admin page's step timeline
@@ -330,8 +339,15 @@ class Engine:
         self.phase_s["kv_wait"] += time.perf_counter() - clock  # inside kvstore, like wait
         for refusal in {id(r.active): r for r in self.kvsync.apply(sent, reply)}.values():
             log.error("request %s failed: %s", refusal.active.record.req_id, refusal.message)
-            self._end(refusal.active, "error", refusal.message)
+            self._end(refusal.active, "error", refusal.message, refusal.code)
         return self._phase("kvstore", clock)
+
+    def end_faults(self) -> None:
+        """Ends the requests whose own work raised (``compute.faults``) with their error."""
+        for fault in self.faults.take():
+            active = self.active.get(fault.req_id)
+            if active is not None:
+                self._end(active, "error", fault.message, fault.code)
 
     def _end_orphans(self, missing: set[str]) -> None:
         """Ends the requests of the gateways gone (``Intake.gone``)."""
@@ -339,7 +355,7 @@ class Engine:
             orphans = [a for a in self.active.values() if a.record.gateway == gateway]
             log.warning("gateway %s is gone: aborting its %d requests", gateway, len(orphans))
             for request in orphans:
-                self._end(request, "error", f"its gateway {gateway} is gone")
+                self._end(request, "error", f"its gateway {gateway} is gone", "unavailable")
 
     def _phase(self, name: str, since: float) -> float:
         now = time.perf_counter()
@@ -347,20 +363,42 @@ class Engine:
         return now
 
     def grammars(self) -> Grammars:
-        """The worker's grammar compiler (its tokenizer's vocabulary, as wide as the logits)."""
+        """The worker's grammar compiler (its tokenizer's vocabulary, as wide as the logits),
+        made once. Raises ``RequestError`` (unsupported_parameter) for a model whose tokenizer
+        the grammar engine cannot read."""
         if self._grammars is None:
-            vocab = self.model.get_output_embeddings().weight.shape[0]
-            self._grammars = Grammars(self.tokenizer, int(vocab))
+            try:
+                self._grammars = Grammars(self.tokenizer, self.limits.logits)
+            except GuidesUnsupported as err:
+                self._grammars = err
+        if isinstance(self._grammars, GuidesUnsupported):
+            raise RequestError(str(self._grammars), "unsupported_parameter")
         return self._grammars
 
-    def _end(self, active: Active, reason: FinishReason, error: str | None = None) -> None:
-        """Ends a request before it finished (a client abort, its gateway gone, a refusal): its
-        sequences are forgotten now and freed at the kvstore in the next step; its final record
-        is published and its entry acked in the next Redis round trip."""
+    def _end(
+        self,
+        active: Active,
+        reason: FinishReason,
+        error: str | None = None,
+        code: ErrorCode | None = None,
+    ) -> None:
+        """Ends a request before it finished (a client abort, its gateway gone, a refusal, a
+        fault): its sequences are forgotten now and freed at the kvstore once no launched step
+        writes them; its final record is published and its entry acked in the next Redis round
+        trip."""
         if active.record.req_id not in self.active:  # ended already
             return
         self.model_step.free_later(self.requests.remove(active))
-        self._finals.append(output_record(active, 0, [], reason, final=True, error=error))
+        final = OutputRecord(
+            active.record.req_id,
+            finish_reason=reason,
+            error=error,
+            error_code=code,
+            prompt_tokens=len(active.record.prompt_token_ids),
+            cached_tokens=active.cached_tokens,
+            final=True,
+        )
+        self._finals.append(final)
         self._acks.append(active.entry_id)
 
     def run_forever(self, signals: list[int]) -> None:

@@ -21,32 +21,33 @@ from __future__ import annotations
 from collections import OrderedDict
 
 import llguidance
-import llguidance.hf
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from compute.faults import RequestError
 from compute.transfer import to_device
-from contracts.guides import grammar_of
+from contracts.guides import GuidesUnsupported, grammar_of, grammar_tokenizer
 from contracts.records import Guide
 
-__all__ = ["GrammarError", "Grammars", "mask_rows"]
+__all__ = ["GrammarError", "Grammars", "GuidesUnsupported", "Masks", "mask_rows"]
 
 _WORD = 32  # tokens per bitmask word
 
 
-class GrammarError(ValueError):
+class GrammarError(RequestError):
     """A guide the grammar engine refuses (the gateway checks guides first: rare here)."""
 
 
 class Grammars:
     """One worker's grammar compiler: its tokenizer's vocabulary as llguidance sees it, and the
     last ``cache_size`` compiled guides (compiling a JSON Schema takes about a millisecond; a
-    copy of a compiled one, a few microseconds)."""
+    copy of a compiled one, a few microseconds). Raises ``GuidesUnsupported`` for a tokenizer
+    the grammar engine cannot read."""
 
     def __init__(
         self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, cache_size: int = 256
     ) -> None:
-        self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)  # type: ignore[arg-type]
+        self._tokenizer = grammar_tokenizer(tokenizer, vocab_size)
         self.vocab_size = vocab_size
         self._cache_size = cache_size
         self._compiled: OrderedDict[Guide, llguidance.LLMatcher] = OrderedDict()
@@ -74,23 +75,44 @@ class Grammars:
         return compiled.deep_copy()
 
 
+class Masks:
+    """The token masks of a step's guided rows, filled on the host one row at a time
+    (``fill``), then applied to the logits on the device (``apply``). A row left unfilled (its
+    request failed) allows every token."""
+
+    def __init__(self, rows: list[int], vocab: int, device: torch.device) -> None:
+        self.rows, self.vocab, self.device = rows, vocab, device
+        words = -(-vocab // _WORD)
+        pinned = device.type == "cuda"
+        self.bitmask = torch.full((len(rows), words), -1, dtype=torch.int32, pin_memory=pinned)
+
+    def fill(self, i: int, matcher: llguidance.LLMatcher) -> None:
+        """Row ``i`` (of ``rows``) allows what ``matcher`` allows next. Reads the matcher, never
+        advances it (what llguidance.torch's fill does, without the torch.compile that module
+        imports: seconds at startup)."""
+        row = self.bitmask[i]
+        matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` [R, vocab] fp32 with each of ``rows`` masked to what it allows (a new
+        tensor; the other rows are copied unchanged)."""
+        device = self.device
+        allowed = unpack_bitmask(self.bitmask.to(device, non_blocking=True), self.vocab)
+        index = to_device(self.rows, device)
+        masked = logits.index_select(0, index).masked_fill_(~allowed, float("-inf"))
+        return logits.index_copy(0, index, masked)
+
+
 def mask_rows(
     logits: torch.Tensor, rows: list[int], matchers: list[llguidance.LLMatcher]
 ) -> torch.Tensor:
     """``logits`` [R, vocab] fp32 with each of ``rows`` masked to what its matcher allows next
     (a new tensor; the other rows are copied unchanged). Reads the matchers, never advances
     them."""
-    device, vocab = logits.device, logits.shape[1]
-    words = -(-vocab // _WORD)
-    bitmask = torch.empty((len(rows), words), dtype=torch.int32, pin_memory=device.type == "cuda")
-    row_bytes = words * 4
-    for i, matcher in enumerate(matchers):  # what llguidance.torch's fill does, without the
-        # torch.compile that module imports (seconds at startup)
-        matcher.unsafe_compute_mask_ptr(bitmask[i].data_ptr(), row_bytes)
-    allowed = unpack_bitmask(bitmask.to(device, non_blocking=True), vocab)
-    index = to_device(rows, device)
-    masked = logits.index_select(0, index).masked_fill_(~allowed, float("-inf"))
-    return logits.index_copy(0, index, masked)
+    masks = Masks(rows, logits.shape[1], logits.device)
+    for i, matcher in enumerate(matchers):
+        masks.fill(i, matcher)
+    return masks.apply(logits)
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -16,10 +16,11 @@ from collections.abc import Callable
 
 import redis
 
-from compute.grammar import GrammarError
+from compute.admission import ModelLimits, check_request
+from compute.faults import Faults
 from compute.registry import Requests
 from contracts import queue_worker
-from contracts.records import OutputRecord, RecordError, RequestRecord
+from contracts.records import ErrorCode, OutputRecord, RecordError, RequestRecord, Streamed
 
 __all__ = ["GATEWAY_MISSING_S", "Intake"]
 
@@ -29,7 +30,10 @@ GATEWAY_MISSING_S = 5.0  # a gateway's liveness key missing this long: the gatew
 
 class Intake:
     """Requests in for worker ``worker_id``. ``free_later`` frees the kvstore's sequences of a
-    request another worker took over (``ModelStep.free_later``)."""
+    request another worker took over (``ModelStep.free_later``). A request is started (or taken
+    over) inside its fault boundary (``compute.faults``): one that is refused there (``limits``,
+    ``compute.admission``) or fails is answered with an error record and acked, and never
+    becomes active."""
 
     def __init__(
         self,
@@ -38,10 +42,14 @@ class Intake:
         claim_idle_ms: int,
         requests: Requests,
         free_later: Callable[[list[str]], None],
+        faults: Faults,
+        limits: ModelLimits,
     ) -> None:
         self.redis, self.worker_id, self.claim_idle_ms = r, worker_id, claim_idle_ms
         self.requests = requests
         self.free_later = free_later
+        self.faults = faults
+        self.limits = limits
         self.incoming: list[tuple[str, RequestRecord]] = []  # read by the last Redis job
         self._next_lease_check = 0.0
         self._missing_since: dict[str, float] = {}  # gateway -> when its key was first missed
@@ -62,10 +70,7 @@ class Intake:
         if idle and room > 0 and accepting:
             taken += queue_worker.read_requests(self.redis, self.worker_id, room, block_ms)
         for entry_id, record in taken:
-            try:
-                self.requests.start(entry_id, record)
-            except GrammarError as err:  # the gateway checks guides: a client of Redis itself
-                self.refuse(entry_id, record, f"its guide is refused: {err}")
+            self._enter(entry_id, record, None)
 
     def renew_leases(self) -> None:
         """Keeps other workers from taking over this one's requests (``queue_worker.touch``);
@@ -85,24 +90,45 @@ class Intake:
         try:
             streamed = queue_worker.read_streamed(self.redis, record.req_id)
         except RecordError as err:  # its output is unreadable: it cannot go on
-            self.refuse(entry_id, record, str(err))
+            self.refuse(entry_id, record, str(err), "worker_error")
             return 0
         if streamed.final:  # it finished; only the ack was lost
             queue_worker.ack(self.redis, [entry_id])
             return 0
+        if record.req_id in self.requests.active:  # this worker's own: its claim had lapsed
+            return 0
         counts = {i: len(seq.token_ids) for i, seq in streamed.sequences.items()}
         log.info("taking over %s after %s streamed tokens per branch", record.req_id, counts)
-        try:
-            self.requests.resume_streamed(entry_id, record, streamed)
-        except GrammarError as err:
-            self.refuse(entry_id, record, f"its guide is refused: {err}")
-            return 0
-        return 1
+        return self._enter(entry_id, record, streamed)
 
-    def refuse(self, entry_id: str, record: RequestRecord, error: str) -> None:
+    def _enter(self, entry_id: str, record: RequestRecord, streamed: Streamed | None) -> int:
+        """Starts the request (resumes it from ``streamed``, if given) inside its fault
+        boundary; refuses it if that fails. Returns 1 if it became active."""
+        stage = "admission" if streamed is None else "adoption"
+        with self.faults.guard(record.req_id, stage):
+            check_request(record, self.limits)
+            if streamed is None:
+                self.requests.start(entry_id, record)
+            else:
+                self.requests.resume_streamed(entry_id, record, streamed)
+        fault = self.faults.pop(record.req_id)
+        if fault is None:
+            return 1
+        self.refuse(entry_id, record, fault.message, fault.code)
+        return 0
+
+    def refuse(
+        self,
+        entry_id: str,
+        record: RequestRecord,
+        error: str,
+        code: ErrorCode = "invalid_request",
+    ) -> None:
         """Fails a request that never became active: its error record, its entry acked."""
         log.error("request %s failed: %s", record.req_id, error)
-        failed = OutputRecord(record.req_id, finish_reason="error", error=error, final=True)
+        failed = OutputRecord(
+            record.req_id, finish_reason="error", error=error, final=True, error_code=code
+        )
         queue_worker.step(self.redis, [failed], [entry_id])
 
     def gone(self, missing: set[str], now: float | None = None) -> list[str]:

@@ -22,11 +22,13 @@ from dataclasses import dataclass, field
 from compute.registry import Requests
 from compute.requests import Active
 from compute.scheduler import SeqStatus, Sequence
+from contracts.records import ErrorCode
 from kvstore import protocol as p
 from kvstore.client import KVClient
 
 log = logging.getLogger("pagedserve.compute")
 _DIVERGED = ("unknown_request", "not_owner", "wrong_state")
+_REQUESTS_FAULT = ("too_large", "bad_argument")  # refusals whose cause lies in the request
 
 
 class Diverged(Exception):
@@ -39,6 +41,7 @@ class Refusal:
 
     active: Active
     message: str
+    code: ErrorCode
 
 
 @dataclass(frozen=True)
@@ -63,9 +66,12 @@ class KVSync:
     frees: list[str] = field(default_factory=list)  # sequences to free, to send
     finals: list[p.AppendItem] = field(default_factory=list)  # ended sequences' last progress
     copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) the runner owes
-    # Waits until no launched step can still write the pool; called before a preemption, whose
-    # swap-out reads the victim's blocks and whose freed blocks may go to another request.
-    quiesce: Callable[[], None] = field(default=lambda: None)
+    copied: list[int] = field(default_factory=list)  # dst blocks of copies seen complete
+    # Makes the copies owed now and waits until no launched step can still write the pool;
+    # returns the copies' destinations. Called before a preemption, whose swap-out reads the
+    # victim's blocks and whose freed blocks may go to another request (which an owed copy
+    # made later would overwrite).
+    quiesce: Callable[[], list[int]] = field(default=lambda: [])
     timeline: p.StepTimeline | None = None  # the engine's totals, for the next step to carry
 
     def send(self, computed: set[str]) -> Sent:
@@ -79,6 +85,7 @@ class KVSync:
         forks = [p.ForkItem(parent, children) for parent, children in self.forks.items()]
         frees, self.forks, self.frees = self.frees, {}, []
         finals, self.finals = self.finals, []
+        copied, self.copied = self.copied, []
         decodes, appends, reporting = [], [], {}
         for seq in scheduler.running():
             if len(seq.unreported) == 1 and seq.num_done == seq.num_reported:
@@ -108,6 +115,7 @@ class KVSync:
             resumes=[s.seq_id for s in to_place if s.status is SeqStatus.PREEMPTED],
             admits=[self._admit_item(s) for s in to_place if s.status is SeqStatus.WAITING],
             timeline=self.timeline,
+            copied=copied,
         )
         self.timeline = None
         return Sent(body, self.kv.send(body), reporting, dict(scheduler.seqs))
@@ -198,12 +206,13 @@ class KVSync:
                 return refusals
             victim = scheduler.victim()
             assert victim is not None, "no running sequence to preempt"
-            self.quiesce()
+            copied = self.quiesce()
             retry = [seqs[r] for r in starved if r != victim.seq_id]
             reporting = {seq.seq_id: len(seq.token_ids) for seq in retry}
             reply = self.call(
                 p.Step(
                     self.worker_id,
+                    copied=copied,
                     preempts=[victim.seq_id],
                     appends=[p.AppendItem(s.seq_id, s.unreported, s.num_done) for s in retry],
                 )
@@ -227,4 +236,5 @@ class KVSync:
         if owner is None:
             log.error("the kvstore refused %s: %s", error.op, error.message)
             return None
-        return Refusal(owner, f"{error.code}: {error.message}")
+        code: ErrorCode = "invalid_request" if error.code in _REQUESTS_FAULT else "worker_error"
+        return Refusal(owner, f"{error.code}: {error.message}", code)

@@ -11,6 +11,7 @@ the step's token budget times the vocabulary, never by the prompt's length.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -33,13 +34,24 @@ class Logprobs:
     top_ids: torch.Tensor  # [W, k] int64: the k most likely tokens, best first
     top_values: torch.Tensor  # [W, k] float32
 
-    def of(self) -> dict[int, TokenLogprob]:
-        """Row -> its token's ``TokenLogprob`` (each row keeps its request's ``logprobs``)."""
-        chosen, ids, values = self.chosen.tolist(), self.top_ids.tolist(), self.top_values.tolist()
-        return {
-            row: TokenLogprob(chosen[i], list(zip(ids[i][:k], values[i][:k], strict=True)))
-            for i, (row, k) in enumerate(zip(self.rows, self.counts, strict=True))
-        }
+    @cached_property
+    def _host(self) -> tuple[dict[int, int], list[float], list[list[int]], list[list[float]]]:
+        return (
+            {row: i for i, row in enumerate(self.rows)},
+            self.chosen.tolist(),
+            self.top_ids.tolist(),
+            self.top_values.tolist(),
+        )
+
+    def of(self, row: int) -> TokenLogprob | None:
+        """Row ``row``'s token's ``TokenLogprob``, with its request's ``logprobs`` top tokens
+        (None: its request asked for none). Read after ``Launched.wait``."""
+        index, chosen, ids, values = self._host
+        i = index.get(row)
+        if i is None:
+            return None
+        k = self.counts[i]
+        return TokenLogprob(chosen[i], list(zip(ids[i][:k], values[i][:k], strict=True)))
 
 
 @dataclass(frozen=True)
@@ -51,13 +63,12 @@ class PromptLogprobs:
     positions: list[int]
     logprobs: Logprobs
 
-    def store(self) -> None:
-        """Into each owner's ``prompt_logprobs`` (after ``Launched.wait``; an owner whose first
-        record went out meanwhile collects no more)."""
-        for i, entry in self.logprobs.of().items():
-            collected = self.owners[i].prompt_logprobs
-            if collected is not None:
-                collected[self.positions[i]] = entry
+    def store(self, i: int) -> None:
+        """Target ``i`` into its owner's ``prompt_logprobs`` (after ``Launched.wait``; an owner
+        whose first record went out meanwhile collects no more)."""
+        collected = self.owners[i].prompt_logprobs
+        if collected is not None:
+            collected[self.positions[i]] = self.logprobs.of(i)
 
 
 def split_prompt_rows(

@@ -17,7 +17,8 @@ handled here:
   ``max_tokens`` is known ahead, so the scheduler never feeds a sequence past it;
 * a sequence's blocks may be written by a launched step until it is processed: a sequence that
   ends is freed at the kvstore only after the step in flight when it ended is processed
-  (``free_later``), and a preemption waits for the device first (``quiesce``);
+  (``free_later``), and a preemption waits for the device first, after the copy-on-write
+  copies owed are made (``settle``);
 * a step whose host work needs its logits (beam search reads them) or forks branches (a first
   token that fans out to ``n``) is processed at once, before the next launch and any kvstore
   call (``Launched.sync``); a sequence that fans out is not ``feedable``: its forks must reach
@@ -37,12 +38,13 @@ from typing import NamedTuple
 import torch
 from llguidance import LLMatcher
 
-from compute.grammar import mask_rows
+from compute.faults import Faults
+from compute.grammar import Masks
 from compute.kvsync import KVSync
 from compute.logprobs import Logprobs, PromptLogprobs, sampled_logprobs, split_prompt_rows
 from compute.penalties import ProcessedRow, process_logits
 from compute.registry import Requests
-from compute.requests import Active, output_record
+from compute.requests import Active, Branch, output_record
 from compute.runner import Feed, ForwardPath, ModelRunner, ScheduledChunk
 from compute.sampling import RowState, sample
 from compute.scheduler import Chunk
@@ -80,6 +82,7 @@ class Launched:
     logprobs: Logprobs | None = None  # of the rows whose request asked for them
     prompt: PromptLogprobs | None = None  # of the prompt tokens of chunks that collect them
     frees_after: list[str] = field(default_factory=list)  # to free once this is processed
+    copied: list[int] = field(default_factory=list)  # copy-on-write destinations it wrote first
     path: ForwardPath = "eager"  # how its forward ran
     num_tokens: int = 0  # computed (prompt and decode)
 
@@ -119,7 +122,11 @@ class ModelStep:
         kvsync: KVSync,
         decode: Callable[[Sequence[int]], str],
         phase_s: dict[str, float],
+        faults: Faults,
     ) -> None:
+        """``faults``: the per-request fault boundaries (``compute.faults``) in which each
+        request's own work runs; a request that fails there draws nothing more and is skipped
+        until the engine ends it."""
         self.runner = runner
         self.requests = requests
         self.scheduler = requests.scheduler
@@ -133,7 +140,8 @@ class ModelStep:
         self.tokens_fed = 0  # of those, tokens fed from the device (overlapped decodes)
         self.device_s = 0.0  # device seconds of processed steps (CUDA), a counter
         self.by_path = PathTotals()  # the same, per forward path
-        kvsync.quiesce = self.quiesce
+        self.faults = faults
+        kvsync.quiesce = self.settle
 
     # ------------------------------------------------------------------ launching
     def launch(self) -> Launched | None:
@@ -149,8 +157,8 @@ class ModelStep:
         if cuda:
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             events[0].record()
-        self.runner.copy_blocks(self.kvsync.copies)
-        self.kvsync.copies = []
+        copies, self.kvsync.copies = self.kvsync.copies, []
+        self.runner.copy_blocks(copies)
         collects = [self._collector(c) for c in chunks]
         pairs = zip(chunks, collects, strict=True)
         scheduled = [self._scheduled(c, a is not None) for c, a in pairs]
@@ -178,19 +186,21 @@ class ModelStep:
             found = self.requests.branch(seq.seq_id)
             assert found is not None, f"{seq.seq_id}: a chunk of no branch"
             active, branch = found
-            params = active.record.params
-            generated = branch.stop.num_generated + seq.inflight  # the position being drawn
-            fan_out = params.n if generated == 0 and branch.index == 0 else 1
-            row_of[seq.seq_id] = len(rows)
-            for k in range(branch.index, branch.index + fan_out):
-                if active.processed:
-                    row = self._processed_row(len(rows), chunk, params, generated, branch.stop)
-                    processed.append(row)
+            made: list[tuple[Row, RowState, ProcessedRow | None]] = []
+            req_id = active.record.req_id
+            if not self.faults.failed(req_id):
+                with self.faults.guard(req_id, "preparing its sampling"):
+                    made = self._rows(i, chunk, active, branch, len(rows))
+            if made:
+                row_of[seq.seq_id] = len(rows)
+            for row, state, processed_row in made:
+                if processed_row is not None:
+                    processed.append(processed_row)
                 if branch.matcher is not None:  # the fan-out's rows share branch 0's state
                     guided.append(len(rows))
-                rows.append(Row(i, active, k, forks=k != branch.index))
-                states.append(RowState(params, k, generated))
-            self.scheduler.launched(chunk, sampling=True, feedable=fan_out == 1)
+                rows.append(row)
+                states.append(state)
+            self.scheduler.launched(chunk, sampling=bool(made), feedable=len(made) == 1)
         sampled = host = logprobs = None
         if rows:
             index = [r.chunk for r in rows]
@@ -202,8 +212,7 @@ class ModelStep:
                 source = self.inflight.sampled if self.inflight is not None else None
                 drawn = process_logits(drawn.float(), processed, source)
             if guided:
-                self._catch_up([rows[r] for r in guided], chunks)
-                drawn = mask_rows(drawn, guided, [self._matcher(rows[r]) for r in guided])
+                drawn = self._masked(drawn, [rows[r] for r in guided], guided, chunks)
             sampled = sample(drawn, states).token_ids  # [R]
             logprobs = sampled_logprobs(raw, sampled, [row.active.record.params for row in rows])
             host = sampled
@@ -215,8 +224,40 @@ class ModelStep:
         self._phase("draw", clock)
         return Launched(
             chunks, rows, row_of, sampled, host, logits, beams, events, logprobs, prompt,
-            path=self.runner.last_path, num_tokens=num_tokens,
+            path=self.runner.last_path, num_tokens=num_tokens, copied=[d for _, d in copies],
         )  # fmt: skip
+
+    def _rows(
+        self, i: int, chunk: Chunk, active: Active, branch: Branch, first: int
+    ) -> list[tuple[Row, RowState, ProcessedRow | None]]:
+        """The rows that draw chunk ``i``'s next token(s): one, or ``n`` at a request's first
+        token (the branches beyond the first fork there), numbered from ``first``."""
+        params = active.record.params
+        generated = branch.stop.num_generated + chunk.seq.inflight  # the position being drawn
+        fan_out = params.n if generated == 0 and branch.index == 0 else 1
+        made: list[tuple[Row, RowState, ProcessedRow | None]] = []
+        for k in range(branch.index, branch.index + fan_out):
+            processed = None
+            if active.processed:
+                at = first + len(made)
+                processed = self._processed_row(at, chunk, params, generated, branch.stop)
+            row = Row(i, active, k, forks=k != branch.index)
+            made.append((row, RowState(params, k, generated), processed))
+        return made
+
+    def _masked(
+        self, logits: torch.Tensor, rows: list[Row], at: list[int], chunks: list[Chunk]
+    ) -> torch.Tensor:
+        """``logits`` with the guided ``rows`` (at rows ``at``) masked to what their grammars
+        allow next; each row's matcher work runs in its request's fault boundary."""
+        self._catch_up(rows, chunks)
+        masks = Masks(at, logits.shape[1], logits.device)
+        for k, row in enumerate(rows):
+            req_id = row.active.record.req_id
+            if not self.faults.failed(req_id):
+                with self.faults.guard(req_id, "masking its grammar"):
+                    masks.fill(k, self._matcher(row))
+        return masks.apply(logits)
 
     def _catch_up(self, rows: list[Row], chunks: list[Chunk]) -> None:
         """Guided rows of fed chunks draw after a token of the step in flight that their
@@ -230,8 +271,12 @@ class ModelStep:
         for row in late:
             branch = row.active.branches[row.branch]
             token = tokens[source.row_of[branch.seq.seq_id]]
-            if not branch.accept(branch.stop.num_generated, token):
-                log.error("%s: token %d outside its grammar", branch.seq.seq_id, token)
+            req_id = row.active.record.req_id
+            if self.faults.failed(req_id):
+                continue
+            with self.faults.guard(req_id, "masking its grammar"):
+                if not branch.accept(branch.stop.num_generated, token):
+                    log.error("%s: token %d outside its grammar", branch.seq.seq_id, token)
 
     @staticmethod
     def _matcher(row: Row) -> LLMatcher:
@@ -285,13 +330,16 @@ class ModelStep:
         clock = time.perf_counter()
         tokens = launched.wait()
         clock = self._phase("wait", clock)
-        logprob_of = launched.logprobs.of() if launched.logprobs is not None else {}
-        if launched.prompt is not None:  # before the first records, which carry them
-            launched.prompt.store()
+        prompt = launched.prompt
+        if prompt is not None:  # before the first records, which carry them
+            for i, collector in enumerate(prompt.owners):
+                with self.faults.guard(collector.record.req_id, "storing its prompt logprobs"):
+                    prompt.store(i)
         device_s = launched.device_ms() / 1e3
         self.device_s += device_s
         self.by_path.add(launched.path, device_s, launched.num_tokens)
         self.kvsync.frees += launched.frees_after  # nothing on the device writes them now
+        self.kvsync.copied += launched.copied  # the kvstore may trust their content now
         for chunk in launched.chunks:
             self.scheduler.processed(chunk)
         live = [
@@ -307,39 +355,10 @@ class ModelStep:
         records: list[OutputRecord] = []
         frees: list[str] = []
         for i, row, token in live:
-            active, k = row.active, row.branch
-            branch = (
-                self.requests.fork_branch(active, k, token) if row.forks else active.branches[k]
-            )
-            if not branch.accept(branch.stop.num_generated, token):
-                log.error("%s: token %d outside its grammar", branch.seq.seq_id, token)
-            update = branch.stop.append(token)
-            if update.finish_reason is not None:
-                active.live -= 1
-                if row.forks:  # it ends where it starts: the kvstore never needs to know it
-                    self.requests.finish(branch.seq.seq_id)
-                else:
-                    frees.append(branch.seq.seq_id)
-                    self.kvsync.ended(branch.seq)
-            elif row.forks:
-                self.kvsync.forks.setdefault(active.branches[0].seq.seq_id, []).append(
-                    branch.seq.seq_id
-                )
-            offset = branch.stop.num_generated - 1
-            final = active.live == 0
-            logprob = [logprob_of[i]] if i in logprob_of else None
-            records.append(
-                output_record(
-                    active,
-                    k,
-                    [token],
-                    update.finish_reason,
-                    final,
-                    update.text,
-                    offset,
-                    logprobs=logprob,
-                )
-            )
+            req_id = row.active.record.req_id
+            if not self.faults.failed(req_id):
+                with self.faults.guard(req_id, "processing its token"):
+                    records.append(self._take(row, token, launched.logprobs, i, frees))
         searches: dict[str, Active] = {}
         for i in launched.beams:
             seq = launched.chunks[i].seq
@@ -347,15 +366,53 @@ class ModelStep:
             if owner is not None and owner.beams is not None:
                 owner.beams.computed(seq, launched.logits[i])
                 searches[owner.record.req_id] = owner
-        for active in searches.values():
-            records += self._beam_round(active, frees)
+        for req_id, search in searches.items():
+            if not self.faults.failed(req_id):
+                with self.faults.guard(req_id, "scoring its beams"):
+                    records += self._beam_round(search, frees)
         for seq_id in frees:
             self.requests.finish(seq_id)
         self.free_later(frees)
-        done = [a for a in self.requests.active.values() if a.live == 0]
+        done = [
+            a
+            for a in self.requests.active.values()
+            if a.live == 0 and not self.faults.failed(a.record.req_id)
+        ]
         for active in done:
             self.requests.done(active)
         return Processed(records, done, {c.seq.seq_id for c in launched.chunks})
+
+    def _take(
+        self, row: Row, token: int, logprobs: Logprobs | None, at: int, frees: list[str]
+    ) -> OutputRecord:
+        """Row ``at``'s drawn ``token`` joins its branch (forked now if the row forks): its
+        grammar and stop checker take it; a branch it ends goes to ``frees``. Its record."""
+        active, k = row.active, row.branch
+        branch = self.requests.fork_branch(active, k, token) if row.forks else active.branches[k]
+        if not branch.accept(branch.stop.num_generated, token):
+            log.error("%s: token %d outside its grammar", branch.seq.seq_id, token)
+        update = branch.stop.append(token)
+        if update.finish_reason is not None:
+            active.live -= 1
+            if row.forks:  # it ends where it starts: the kvstore never needs to know it
+                self.requests.finish(branch.seq.seq_id)
+            else:
+                frees.append(branch.seq.seq_id)
+                self.kvsync.ended(branch.seq)
+        elif row.forks:
+            parent = active.branches[0].seq.seq_id
+            self.kvsync.forks.setdefault(parent, []).append(branch.seq.seq_id)
+        logprob = logprobs.of(at) if logprobs is not None else None
+        return output_record(
+            active,
+            k,
+            [token],
+            update.finish_reason,
+            active.live == 0,
+            update.text,
+            branch.stop.num_generated - 1,
+            logprobs=None if logprob is None else [logprob],
+        )
 
     def _live(self, chunk: Chunk) -> bool:
         return self.scheduler.seqs.get(chunk.seq.seq_id) is chunk.seq
@@ -394,6 +451,16 @@ class ModelStep:
             self.inflight.frees_after += seq_ids
         else:
             self.kvsync.frees += seq_ids
+
+    def settle(self) -> list[int]:
+        """Makes the copy-on-write copies the kvstore asked for now, then waits until the
+        device finished them and every launched step. Returns the copies' destinations."""
+        copies, self.kvsync.copies = self.kvsync.copies, []
+        self.runner.copy_blocks(copies)
+        self.quiesce()
+        if copies and self.runner.device.type == "cuda":
+            torch.cuda.synchronize(self.runner.device)
+        return [dst for _, dst in copies]
 
     def quiesce(self) -> None:
         """Waits until the device finished every launched step."""

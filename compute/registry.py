@@ -10,13 +10,16 @@ when the worker rebuilds its state after losing the kvstore or Redis.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+import contextlib
+from collections.abc import Callable, Collection, Iterator
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
 
+from compute.admission import SEQUENCE_MARK
 from compute.beams import BeamGroup
+from compute.faults import RequestError
 from compute.requests import Active, Branch
-from compute.scheduler import Scheduler, Sequence
+from compute.scheduler import Scheduler, SeqStatus, Sequence
 from compute.stops import StopChecker
 from contracts.records import RequestRecord, Streamed
 
@@ -50,8 +53,13 @@ class Requests:
 
     # ------------------------------------------------------------------ entering
     def start(self, entry_id: str, record: RequestRecord) -> Active:
-        """A request from its first token: its first branch, or its beam search's root.
-        Raises GrammarError, changing nothing, for a guide the grammar engine refuses."""
+        """A request from its first token: its first branch, or its beam search's root. Raises
+        (a refused guide: GrammarError; a request id already served: RequestError) leaving
+        nothing of the request behind."""
+        with self._entering(record.req_id):
+            return self._start(entry_id, record)
+
+    def _start(self, entry_id: str, record: RequestRecord) -> Active:
         if record.params.guide is not None:
             self._matcher(record)  # compiled (and cached) now: a refusal changes nothing
         beams = record.params.beam_width > 1
@@ -72,14 +80,18 @@ class Requests:
         """A request another worker (or this one, before an outage) served: each unfinished
         branch continues from the tokens it streamed, to be adopted at the kvstore. A beam
         search (nothing streamed until it ends) or a request that streamed nothing starts again,
-        also adopting what the kvstore kept of its prompt. Raises GrammarError, changing
-        nothing, for a guide the grammar engine refuses."""
-        if record.params.guide is not None:
-            self._matcher(record)
+        also adopting what the kvstore kept of its prompt. Raises as ``start`` does, leaving
+        nothing of the request behind."""
         if record.params.beam_width > 1 or not streamed.sequences:
             active = self.start(entry_id, record)
             self.adopting.add(record.req_id)
             return active
+        with self._entering(record.req_id):
+            return self._resume(entry_id, record, streamed)
+
+    def _resume(self, entry_id: str, record: RequestRecord, streamed: Streamed) -> Active:
+        if record.params.guide is not None:
+            self._matcher(record)
         active = Active(entry_id, record, {}, live=0)
         self.active[record.req_id] = active
         for index in range(record.params.n):
@@ -101,6 +113,18 @@ class Requests:
                 branch.accept(offset, token)  # the seeded stream continue from here
                 branch.stop.append(token)
         return active
+
+    @contextlib.contextmanager
+    def _entering(self, req_id: str) -> Iterator[None]:
+        """Adds request ``req_id`` (new here) all or nothing: an exception in the block
+        forgets whatever of it the block added."""
+        if req_id in self.active:
+            raise RequestError(f"request {req_id} is already being served")
+        try:
+            yield
+        except BaseException:
+            self._forget(req_id)
+            raise
 
     def add_branch(self, active: Active, seq: Sequence, index: int) -> Branch:
         """A new branch of ``active`` on ``seq``, with its own stop checker and, if guided, its
@@ -168,8 +192,20 @@ class Requests:
     def remove(self, active: Active) -> list[str]:
         """Forgets request ``active`` and every sequence of it. Returns the ids of those the
         kvstore holds (running or preempted): the caller frees them."""
-        held = [seq.seq_id for seq in active.held()]
-        for seq in active.sequences():
-            self.finish(seq.seq_id)
-        del self.active[active.record.req_id]
+        return self._forget(active.record.req_id)
+
+    def _forget(self, req_id: str) -> list[str]:
+        """Forgets request ``req_id`` and every sequence the scheduler has of it (its id, or
+        its id and ``#``: what a failure half-way through adding or forking one left too).
+        Returns the ids of those the kvstore holds."""
+        self.active.pop(req_id, None)
+        prefix = req_id + SEQUENCE_MARK
+        held = []
+        for seq in self.scheduler.sequences_of(req_id, prefix):
+            if seq.status in (SeqStatus.RUNNING, SeqStatus.PREEMPTED):
+                held.append(seq.seq_id)
+            self._branches.pop(seq.seq_id, None)
+            self._beams.pop(seq.seq_id, None)
+            self.adopting.discard(seq.seq_id)
+            self.scheduler.finish(seq.seq_id)
         return held

@@ -153,6 +153,10 @@ class Scheduler:
     def running(self) -> list[Sequence]:
         return self._by_arrival(SeqStatus.RUNNING)
 
+    def sequences_of(self, seq_id: str, prefix: str) -> list[Sequence]:
+        """The sequences whose id is ``seq_id`` or starts with ``prefix``."""
+        return [s for k, s in self.seqs.items() if k == seq_id or k.startswith(prefix)]
+
     def _by_arrival(self, *statuses: SeqStatus) -> list[Sequence]:
         return sorted((s for s in self.seqs.values() if s.status in statuses), key=_arrival)
 

@@ -13,7 +13,7 @@ JSON object (OpenAI's JSON mode).
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 
@@ -22,7 +22,7 @@ from contracts.records import Guide
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
 
-__all__ = ["grammar_of", "guide_error"]
+__all__ = ["GuidesUnsupported", "grammar_of", "grammar_tokenizer", "guide_error"]
 
 _JSON: JsonCompileOptions = {"whitespace_flexible": False}
 
@@ -52,3 +52,23 @@ def guide_error(guide: Guide) -> str:
         return str(llguidance.LLMatcher.validate_grammar(grammar_of(guide)))
     except (ValueError, TypeError) as err:  # json.JSONDecodeError is a ValueError
         return str(err)
+
+
+class GuidesUnsupported(ValueError):
+    """The grammar engine cannot read this model's tokenizer: no structured output for it."""
+
+
+def grammar_tokenizer(tokenizer: Any, vocab_size: int | None = None) -> llguidance.LLTokenizer:
+    """llguidance's view of a Hugging Face tokenizer (``vocab_size``: as wide as the model's
+    logits), built once per process (about a second for a large vocabulary). Raises
+    ``GuidesUnsupported`` saying why when the grammar engine cannot read it (a slow tokenizer;
+    a decoder it does not know, e.g. a word-level tokenizer with a ``Fuse`` decoder)."""
+    import llguidance.hf  # imports transformers: only where a tokenizer is at hand
+
+    try:
+        return llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
+    except (ValueError, TypeError, RuntimeError) as err:
+        raise GuidesUnsupported(
+            f"structured output is not available for this model: the grammar engine cannot "
+            f"read its tokenizer ({err})"
+        ) from err

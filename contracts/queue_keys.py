@@ -70,7 +70,9 @@ OUTPUT_TTL_S = 300  # an output stream lives this long after its final record
 OUTPUT_IDLE_TTL_S = 3600  # ... and this long after any other record (nobody finished it)
 ABORT_TTL_S = 3600  # must outlast the longest wait in the queue
 CLAIM_IDLE_MS = 30_000  # a pending request untouched this long belongs to a dead worker
-MAX_DELIVERIES = 3  # deliveries (first read + claims) before a request is failed
+# deliveries (first read + claims) of a request: one whose worker died twice, in the middle of
+# it each time, is not handed to a third one (it is likely what kills them) but failed
+MAX_DELIVERIES = 2
 STREAM_READ_COUNT = 256  # entries per XREAD in stream_output
 WAKE_TTL_S = 3600  # a wake stream outlives its reader by at most this
 GATEWAY_TTL_S = 30  # a gateway's liveness key lives this long unless renewed

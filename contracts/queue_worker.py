@@ -19,6 +19,7 @@ import redis.client
 
 from contracts import queue_keys
 from contracts.records import (
+    ErrorCode,
     OutputRecord,
     RecordError,
     RequestRecord,
@@ -186,30 +187,34 @@ def _accept(
 ) -> list[tuple[str, RequestRecord]]:
     """Decodes entries; fails (error record + ack) the malformed and the poisonous ones."""
     good: list[tuple[str, RequestRecord]] = []
-    failed: list[tuple[str, str | None, str]] = []  # entry id, req_id if known, message
+    failed: list[tuple[str, str | None, str, ErrorCode]] = []  # entry, req_id if known, why
     for raw_id, fields in entries:
         entry_id = queue_keys.text(raw_id)
         req_id = fields[b"id"].decode(errors="replace") if b"id" in fields else None
         try:
             record = decode_request(queue_keys.payload(raw_id, fields))
         except RecordError as err:
-            failed.append((entry_id, req_id, f"malformed request entry: {err}"))
+            failed.append((entry_id, req_id, f"malformed request entry: {err}", "invalid_request"))
             continue
         times = (deliveries or {}).get(raw_id, 1)
         if times > max_deliveries:
-            message = f"request delivered {times} times (its workers died); giving up"
-            failed.append((entry_id, record.req_id, message))
+            message = (
+                f"its workers died while serving it, {times - 1} times: "
+                "not retried (it may be what kills them)"
+            )
+            failed.append((entry_id, record.req_id, message, "worker_error"))
         else:
             good.append((entry_id, record))
     if failed:
         pipe = r.pipeline(transaction=False)
-        for entry_id, req_id, message in failed:
+        for entry_id, req_id, message, code in failed:
             log.warning("request entry %s (req_id %s) failed: %s", entry_id, req_id, message)
             if req_id is not None:
-                publish(
-                    pipe, [OutputRecord(req_id, finish_reason="error", error=message, final=True)]
+                error = OutputRecord(
+                    req_id, finish_reason="error", error=message, final=True, error_code=code
                 )
-        ack(pipe, [entry_id for entry_id, _, _ in failed])
+                publish(pipe, [error])
+        ack(pipe, [entry_id for entry_id, _, _, _ in failed])
         pipe.execute()
     return good
 

@@ -9,10 +9,10 @@ from typing import Literal
 
 import msgspec
 
-RECORD_VERSION = 4  # 2: RequestRecord without arrival_time and priority, OutputRecord without
+RECORD_VERSION = 5  # 2: RequestRecord without arrival_time and priority, OutputRecord without
 # logprobs, with offset; RequestRecord.gateway. 3: SamplingParams' penalties, logit_bias,
 # min_tokens and logprobs; OutputRecord.logprobs. 4: prompt logprobs (SamplingParams,
-# OutputRecord), SamplingParams.guide
+# OutputRecord), SamplingParams.guide. 5: OutputRecord.error_code
 
 
 GuideKind = Literal["json_schema", "json_object", "regex", "choice"]
@@ -108,6 +108,13 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 
 FinishReason = Literal["stop", "length", "abort", "error"]
+# Why a request ended with an error, for the gateway's answer: the cause lies in the request
+# (``invalid_request``: a value the model cannot take; ``unsupported_parameter``: something this
+# model or server does not offer) and is answered as a 400, or it does not (``worker_error``: a
+# worker failed on its behalf; ``unavailable``: nobody could serve it: its gateway gone, its
+# workers dead) and is answered as a 5xx.
+ErrorCode = Literal["invalid_request", "unsupported_parameter", "worker_error", "unavailable"]
+REQUEST_ERRORS: frozenset[ErrorCode] = frozenset({"invalid_request", "unsupported_parameter"})
 
 
 class RecordError(ValueError):
@@ -145,9 +152,10 @@ class OutputRecord(
     ``finish_reason`` ends *this sequence*;
     ``final`` ends the *request* (every sequence finished; for n == 1 it is the record that
     carries the finish_reason): readers stop there and no record follows it. An abort or error of
-    the whole request is one record with ``final`` (any index). ``error`` is set with finish_reason
-    "error". ``prompt_tokens`` and ``cached_tokens`` (prefix-cache hit) are the same on every
-    record of a request. ``text``: the output text these tokens add, as the worker's stop checker
+    the whole request is one record with ``final`` (any index). ``error`` (what happened) and
+    ``error_code`` (whose fault: ``ErrorCode``) are set with finish_reason "error".
+    ``prompt_tokens`` and ``cached_tokens`` (prefix-cache hit) are the same on every record of a
+    request. ``text``: the output text these tokens add, as the worker's stop checker
     released it (a stop string and an incomplete UTF-8 character are never in it; the held-back
     characters come with a later record): clients stream ``text``, not a decode of the tokens.
     ``logprobs``: one per token of ``token_ids`` when the request asked for them.
@@ -170,6 +178,7 @@ class OutputRecord(
     offset: int = 0
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    error_code: ErrorCode | None = None
 
 
 class StreamedSequence(msgspec.Struct):

@@ -86,6 +86,8 @@ def _model_card(state: AppState) -> dict[str, object]:
         "owned_by": "pagedserve",
         "root": state.model.name,
         "max_model_len": state.model.context_len,
+        "chat_template": state.model.chat_template,
+        "unsupported": state.model.unsupported,  # what requests cannot ask of it, and why
     }
 
 
@@ -132,6 +134,8 @@ async def health(request: web.Request) -> web.Response:
         body["redis"] = "down"
         down.append(f"redis: {err}")
     body = {"status": "degraded" if down else "ok", **body, "down": down}
+    if state.model.unsupported:
+        body["unsupported"] = state.model.unsupported
     return web.json_response(body, status=503 if down else 200)
 
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import redis.asyncio
 
 from contracts import queue_gateway
-from contracts.records import OutputRecord, RequestRecord
+from contracts.records import REQUEST_ERRORS, OutputRecord, RequestRecord
 from gateway.errors import APIError
 from gateway.logprobs import Logprob, PromptLogprob
 from gateway.metrics import Metrics
@@ -51,6 +51,19 @@ class GenerationError(Exception):
     def __init__(self, error: APIError) -> None:
         super().__init__(error.message)
         self.error = error
+
+
+def _error_of(record: OutputRecord) -> APIError:
+    """What the client is told of a request a worker ended with an error: a 400 when the cause
+    lies in the request (``records.REQUEST_ERRORS``), a 503 when nobody could serve it, else a
+    500."""
+    message = f"generation failed: {record.error or 'the worker failed the request'}"
+    code = record.error_code
+    if code in REQUEST_ERRORS:
+        return APIError(400, message, code=code)
+    if code == "unavailable":
+        return APIError(503, message, code=code)
+    return APIError(500, message, code="worker_error")
 
 
 @dataclass
@@ -245,8 +258,7 @@ class Generation:
         prompt.cached_tokens = record.cached_tokens
         prompt.final = prompt.final or record.final
         if record.finish_reason == "error":
-            message = f"generation failed: {record.error or 'the worker failed the request'}"
-            raise GenerationError(APIError(500, message, code="worker_error"))
+            raise GenerationError(_error_of(record))
         if record.prompt_logprobs is not None:
             prompt.prompt_logprobs = list(
                 zip(prompt.token_ids, record.prompt_logprobs, strict=True)

@@ -27,8 +27,9 @@ __all__ = ["MAX_CHOICES", "guide_of"]
 MAX_CHOICES = 256  # strings in guided_choice
 
 
-def guide_of(req: CompletionRequest | ChatRequest) -> Guide | None:
-    """The request's structured-output constraint, checked; None without one."""
+def guide_of(req: CompletionRequest | ChatRequest, unsupported: str = "") -> Guide | None:
+    """The request's structured-output constraint, checked; None without one. ``unsupported``:
+    why the model has no structured output (a 400 for a request that asks for it)."""
     given = [
         (name, value)
         for name, value in (
@@ -48,6 +49,8 @@ def guide_of(req: CompletionRequest | ChatRequest) -> Guide | None:
     guide = _parse(name, value)
     if guide is None:
         return None
+    if unsupported:
+        raise bad_request(f"{name}: {unsupported}", name, "unsupported_parameter")
     error = guide_error(guide)
     if error:
         raise bad_request(f"{name}: the grammar engine refuses it: {error}", name)

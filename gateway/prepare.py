@@ -28,6 +28,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from contracts.guides import GuidesUnsupported, grammar_tokenizer
 from contracts.records import SamplingParams
 from gateway.config import GatewayConfig
 from gateway.errors import bad_request
@@ -54,6 +55,10 @@ class ModelInfo:
     vocab_size: int
     created: int
     max_token_chars: int = 64
+    # what the model cannot do -> why (a request that needs it gets a 400): "structured_output"
+    # when the grammar engine cannot read its tokenizer
+    unsupported: dict[str, str] = dataclasses.field(default_factory=dict)
+    chat_template: bool = False  # its tokenizer has one (else the plain template)
 
     def decode(self, ids: Sequence[int]) -> str:
         """The text of ``ids``, special tokens included (a logprob's token may be EOS)."""
@@ -68,6 +73,11 @@ class ModelInfo:
         text = getattr(model_config, "get_text_config", lambda: model_config)()
         context = config.max_model_len or int(text.max_position_embeddings)
         tokenizer = load_tokenizer(config.model)
+        unsupported = {}
+        try:
+            grammar_tokenizer(tokenizer, int(text.vocab_size))
+        except GuidesUnsupported as err:
+            unsupported["structured_output"] = str(err)
         return cls(
             name=config.model_name(),
             tokenizer=tokenizer,
@@ -75,6 +85,8 @@ class ModelInfo:
             vocab_size=int(text.vocab_size),
             created=int(time.time()),
             max_token_chars=max((len(t) for t in tokenizer.get_vocab()), default=1),
+            unsupported=unsupported,
+            chat_template=bool(getattr(tokenizer, "chat_template", None)),
         )
 
 
@@ -279,7 +291,7 @@ def _prepared(
         raise bad_request(f"{changed[0]} does not apply to beam search", changed[0], "unsupported")
     if beam and logprobs is not None:
         raise bad_request("beam search gives no logprobs", "logprobs", "unsupported")
-    guide = guide_of(req)
+    guide = guide_of(req, model.unsupported.get("structured_output", ""))
     if guide is not None and beam:
         raise bad_request("beam search follows no grammar", "use_beam_search", "unsupported")
     if guide is not None and penalties["min_tokens"]:

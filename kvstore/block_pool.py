@@ -8,6 +8,11 @@ Pure Python, no torch. A ``BlockPool`` only tracks ids; the bytes live in the po
 - used:   ref > 0; held by one or more requests.
 - cached: ref 0, but its content is registered in the prefix index; in the LRU, evicted (oldest
           first) only when the free queue is empty.
+
+A used block may also be *copying*: the destination of a copy-on-write copy that the worker
+performs on its own stream and has not confirmed yet. Its content is not trusted until then (a
+worker that dies first never makes the copy): it is never registered, and a request that holds
+it computes it again when another worker takes it over or when it is swapped.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ class BlockPool:
         self.cached = [False] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
         self._lru: OrderedDict[int, None] = OrderedDict()  # first = least recently used
+        self._copying: set[int] = set()  # used blocks whose copy-on-write is not confirmed
 
     @property
     def num_free(self) -> int:
@@ -101,10 +107,25 @@ class BlockPool:
                 raise ValueError(f"double free of block {block}")
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
+                self._copying.discard(block)
                 if self.cached[block]:
                     self._lru[block] = None
                 else:
                     self._free.append(block)
+
+    def mark_copying(self, block: int) -> None:
+        """A copy-on-write copy into ``block`` (used, uncached) is due: its content is not
+        trusted until ``copied``."""
+        if self.ref_counts[block] == 0 or self.cached[block]:
+            raise ValueError(f"block {block} is not a private block in use")
+        self._copying.add(block)
+
+    def copied(self, blocks: list[int]) -> None:
+        """The worker performed the copies into ``blocks`` (those not copying are ignored)."""
+        self._copying.difference_update(blocks)
+
+    def is_copying(self, block: int) -> bool:
+        return block in self._copying
 
     def mark_cached(self, block: int) -> None:
         """The block's content is now registered in the prefix index (the block must be used)."""
@@ -137,6 +158,9 @@ class BlockPool:
             else:
                 assert block in free, f"free block {block} is missing from the free queue"
         assert self.num_free + self.num_cached_free + self.num_used == self.num_blocks
+        for block in self._copying:
+            assert self.ref_counts[block] > 0, f"copying block {block} is not in use"
+            assert not self.cached[block], f"copying block {block} is in the prefix index"
 
 
 class CpuTier:

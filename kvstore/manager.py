@@ -31,6 +31,7 @@ from kvstore.request_blocks import (
     register_computed,
     reopen_last_token,
     truncate,
+    trusted_blocks,
 )
 from kvstore.requests import (
     Growth,
@@ -139,7 +140,8 @@ class KVCacheManager:
             kept = min(len(request.block_ids), table_blocks(common, bs))
             # streamed tokens: their blocks, and maybe a fresh one where writing resumes
             grows = table_blocks(len(token_ids), bs) - kept + 1 if streamed else 0
-            needed = int(reopens_in_a_fresh_block) + grows
+            untrusted = max(0, kept - trusted_blocks(self.store, request))
+            needed = int(reopens_in_a_fresh_block) + grows + untrusted
             if needed > self.pool.num_available:
                 raise KVError("no_space", f"no {needed} blocks to take {req_id!r} over")
         request.worker, request.orphaned_at = worker, None
@@ -150,6 +152,8 @@ class KVCacheManager:
             request.num_computed = request.num_registered = 0
             request.status, request.reuse_prefix = Status.DROPPED, False
         truncate(self.store, request, common, bs)
+        if request.status is Status.RUNNING:
+            self._replace_untrusted(request)
         request.token_ids.extend(streamed)  # known now, computed by the new worker
         extend_hashes(request, bs)
         if request.status is not Status.RUNNING:
@@ -165,6 +169,25 @@ class KVCacheManager:
             req_id, list(request.block_ids), request.num_computed, request.num_cached_tokens
         )
         return placement, TransferPlan()
+
+    def _replace_untrusted(self, request: Request) -> None:
+        """A request taken over from a dead worker: its blocks from the first whose
+        copy-on-write copy was never confirmed (the worker may have died before making it) are
+        replaced by fresh ones, computed again by the new worker. The caller checked that the
+        pool has the blocks."""
+        first, table = trusted_blocks(self.store, request), request.block_ids
+        if first == len(table):
+            return
+        fresh = self.store.allocate(len(table) - first)
+        self.pool.release(table[first:])
+        table[first:] = fresh
+        request.num_computed = min(request.num_computed, first * self.block_size)
+        request.num_registered = min(request.num_registered, first)
+
+    def copied(self, blocks: list[int]) -> None:
+        """A worker performed the copy-on-write copies into ``blocks`` (``Step.copied``): their
+        content is trusted from now on."""
+        self.pool.copied(blocks)
 
     def _make_room_for_streamed(self, request: Request) -> None:
         """An adopted running request whose tokens outgrew its table (its dead worker streamed
@@ -319,6 +342,7 @@ class KVCacheManager:
             for position, dst in zip(to_copy, fresh, strict=False):
                 src = table[position]
                 self.pool.release([src])
+                self.pool.mark_copying(dst)  # trusted once the worker confirms the copy
                 table[position] = dst
                 copies.append((position, src, dst))
             new_blocks = fresh[len(to_copy) :]
@@ -424,7 +448,9 @@ class KVCacheManager:
         )
         request.decision_id = decision.id
         request.preemptions += 1
-        if choice.mode == "swap":
+        if choice.mode == "swap":  # what an unconfirmed copy should hold is computed again
+            trusted = trusted_blocks(self.store, request) * self.block_size
+            request.num_computed = min(request.num_computed, trusted)
             request.cpu_block_ids = self.store.allocate_cpu(len(blocks))
             plan.swap_out.extend(zip(blocks, request.cpu_block_ids, strict=True))
             plan.decisions[decision.id] = len(blocks)

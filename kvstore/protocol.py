@@ -13,11 +13,11 @@ from typing import Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 7  # 2: Call.token; the wire's codes and kinds are closed sets (Literal).
+PROTOCOL_VERSION = 8  # 2: Call.token; the wire's codes and kinds are closed sets (Literal).
 # 3: AdmitItem.reuse_prefix, Step.finals. 4: the CPU prefix tier (Stats fields, DecisionRow.kind,
 # GetBlockMap, GetBlockInfo, Step.timeline, WorkerRow.timeline). 5: Register.recompute_profile
 # and .graph_token_buckets, WorkerRow.recompute_profile. 6: LOOKAHEAD_SLOTS.
-# 7: StepTimeline.held_steps.
+# 7: StepTimeline.held_steps. 8: Step.copied.
 
 # A running request's block table holds the slots of its known tokens and of this many after
 # them: a worker may compute that many tokens the kvstore has not heard of yet (sampled tokens
@@ -166,16 +166,19 @@ class CostReport(_Item):
 
 
 class Step(_Msg):
-    """One engine step's KV work, applied in this order: costs, forks, finals, frees, preempts,
-    appends, tokens, resumes, admits. Forks allocate nothing, so they come first: a sequence may be
-    forked and freed in the same step (a branch that ends on its first token, or a parent that ends
-    while its children go on). ``finals``: the last progress of sequences that ended (no tokens,
-    only ``num_computed``), so that blocks they computed but never reported (a request that ends
-    on the token its prompt's last chunk drew) join the prefix index before they are freed.
-    Running requests grow before preempted ones resume, and those come back before new ones are
-    admitted. Each item succeeds or fails alone (``StepReply.errors``), except that placements
-    (resumes, then admits) are first come, first served: once one is refused for lack of space,
-    the later ones are refused too (``no_space``), so a large request at the head is never
+    """One engine step's KV work, applied in this order: costs, copied, forks, finals, frees,
+    preempts, appends, tokens, resumes, admits. ``copied``: the blocks whose copy-on-write copy
+    (``Grown.copies``' destinations) the worker has performed and seen complete; until then a
+    block's content is not trusted (``kvstore.block_pool``: never registered in the prefix index,
+    computed again after a take-over or a swap). Forks allocate nothing, so they come first: a
+    sequence may be forked and freed in the same step (a branch that ends on its first token, or a
+    parent that ends while its children go on). ``finals``: the last progress of sequences that
+    ended (no tokens, only ``num_computed``), so that blocks they computed but never reported (a
+    request that ends on the token its prompt's last chunk drew) join the prefix index before they
+    are freed. Running requests grow before preempted ones resume, and those come back before new
+    ones are admitted. Each item succeeds or fails alone (``StepReply.errors``), except that
+    placements (resumes, then admits) are first come, first served: once one is refused for lack of
+    space, the later ones are refused too (``no_space``), so a large request at the head is never
     starved by smaller ones behind it."""
 
     worker_id: str
@@ -189,6 +192,7 @@ class Step(_Msg):
     tokens: TokenBatch | None = None
     finals: list[AppendItem] = []
     timeline: StepTimeline | None = None  # at most about once a second
+    copied: list[int] = []
 
 
 class GetStats(_Msg):

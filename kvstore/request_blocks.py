@@ -28,11 +28,20 @@ def extend_hashes(request: Request, block_size: int) -> None:
 
 
 def register_computed(store: BlockStore, request: Request, block_size: int) -> None:
-    """Offers newly computed full blocks to the prefix index (duplicates stay unregistered)."""
-    for i in range(request.num_registered, request.num_computed // block_size):
+    """Offers newly computed full blocks to the prefix index (duplicates stay unregistered), up
+    to the first one whose copy-on-write copy is not confirmed."""
+    end = min(request.num_computed // block_size, trusted_blocks(store, request))
+    for i in range(request.num_registered, end):
         parent = request.keys[i - 1] if i else None
         store.register(request.block_ids[i], request.keys[i], request.contents[i], parent, i)
-    request.num_registered = max(request.num_registered, request.num_computed // block_size)
+    request.num_registered = max(request.num_registered, end)
+
+
+def trusted_blocks(store: BlockStore, request: Request) -> int:
+    """How many of the request's leading GPU blocks hold what was computed into them: all but
+    those from the first whose copy-on-write copy the worker has not confirmed."""
+    table = request.block_ids
+    return next((i for i, block in enumerate(table) if store.pool.is_copying(block)), len(table))
 
 
 def reopen_last_token(store: BlockStore, request: Request, block_size: int) -> None:

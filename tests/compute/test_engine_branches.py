@@ -103,3 +103,20 @@ def test_a_dead_workers_beam_search_restarts_on_the_kept_blocks(
     )
     assert hypotheses(run.streamed) == want
     assert run.computed_by_w2 <= 16 + 4 * 10, run.computed_by_w2  # not the 96-token prompt
+
+
+def test_a_worker_dead_before_making_a_copy_on_write_copy_is_taken_over_exactly(
+    redis_url: str, tiny: tuple
+) -> None:
+    """n = 2, seeded: w1 dies right after the kvstore gave branch 0 a private copy of the
+    prompt's shared last block, before w1 made the copy (its next launch would have). The
+    kvstore does not trust that block until a worker confirms the copy, so w2 computes it
+    again: the answer is an uninterrupted run's."""
+    prompt = list(b"two ways")
+    params = SamplingParams(max_tokens=8, n=2, seed=3, ignore_eos=True)
+    whole = run_engine(redis_url, FLAGS, {"crash": prompt}, 8, tiny, params={"crash": params})
+    run = kill_and_take_over(
+        redis_url, tiny, prompt, params, lambda w1, out: bool(w1.kvsync.copies)
+    )
+    assert hypotheses(run.streamed) == hypotheses(whole.streamed["crash"])
+    assert run.stats.gpu.used == 0 and not run.stats.requests

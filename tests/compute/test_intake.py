@@ -4,12 +4,22 @@ real gateways in ``tests/test_up_gateways.py``)."""
 
 from __future__ import annotations
 
+from compute.admission import ModelLimits
+from compute.faults import Faults
 from compute.intake import GATEWAY_MISSING_S, Intake
 
 
 def intake() -> Intake:
     """No Redis and no requests are touched by ``gone``."""
-    return Intake(None, "w", 1000, None, lambda seq_ids: None)  # type: ignore[arg-type]
+    return Intake(
+        None,  # type: ignore[arg-type]
+        "w",
+        1000,
+        None,  # type: ignore[arg-type]
+        lambda seq_ids: None,
+        Faults(),
+        ModelLimits(1, 1),
+    )
 
 
 def test_a_gateway_is_gone_once_missing_for_the_grace_period_and_only_once() -> None:

@@ -457,3 +457,46 @@ def test_a_placed_request_always_recomputes_its_last_token() -> None:
     placement, plan = m.resume("a", "w2")
     assert placement.num_computed == 39 and plan.swap_in
     m.check_integrity()
+
+
+def test_a_copy_on_write_copy_is_trusted_only_once_the_worker_confirms_it() -> None:
+    """The worker makes a copy-on-write copy on its own stream, before its next forward, and
+    confirms it in a later Step (``copied``). Until then the block's content is not trusted:
+    it joins no prefix index, and a worker that takes the request over after its worker died
+    (perhaps before making the copy) computes it again, in a fresh block."""
+    m = manager(12)
+    m.admit("p", "w1", list(range(20)), None)  # blocks 0, 1 (1: 4 tokens)
+    m.append("p", "w1", [], 20)
+    m.fork("p", "w1", "c")
+    m.fork("p", "w1", "d")
+    assert m.append("p", "w1", [20], 20).copies == [(1, 1, 2)]
+    assert m.pool.is_copying(2) and not m.pool.is_copying(1)
+    # Block 2 fills: p computed its 32 tokens, but the block's copy is not confirmed.
+    assert m.append("p", "w1", list(range(21, 33)), 32).new_block_ids == [3]
+    assert m.index.key_of_block(0) is not None and m.index.key_of_block(2) is None
+    m.copied([2])
+    m.append("p", "w1", [], 32)  # the next report registers it
+    assert m.index.key_of_block(2) is not None and not m.pool.is_copying(2)
+    m.check_integrity()
+    # c's copy: w1 dies before confirming it. w2 computes c's block 1 again, in block 5.
+    assert m.append("c", "w1", [99], 20).copies == [(1, 1, 4)]
+    assert m.orphan_worker("w1", now=1.0) == ["p", "c", "d"]
+    placement, _ = m.adopt("c", "w2", [*range(20), 99])
+    assert placement.block_ids == [0, 5] and placement.num_computed == 16
+    assert m.pool.ref_counts[4] == 0 and not m.pool.is_copying(4)  # freed with its flag
+    m.check_integrity()
+
+
+def test_a_swap_out_of_an_unconfirmed_copy_computes_it_again_after_the_resume() -> None:
+    m = manager(12, 12)
+    m.pricing.calibration = SwapCalibration(1024, LinearCost(0.0, 1e-6), LinearCost(0.0, 1e-6))
+    m.pricing.prefill_profiles["w"] = [(16, 1.0), (1024, 2.0)]  # recompute is far dearer
+    m.admit("p", "w", list(range(20)), None)
+    m.append("p", "w", [], 20)
+    m.fork("p", "w", "c")
+    assert m.append("p", "w", [20], 20).copies == [(1, 1, 2)]
+    assert m.preempt(["p"], "w", now=1.0)[0] == ["swap"]
+    assert m.requests["p"].num_computed == 16  # block 1's copy is not trusted
+    placement, _ = m.resume("p", "w")
+    assert placement.num_computed == 16
+    m.check_integrity()

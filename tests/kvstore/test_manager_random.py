@@ -1,14 +1,15 @@
-"""Random admit/append/fork/free/preempt/resume/adopt/write-back sequences on tiny pools, with
-the CPU prefix tier on or off.
+"""Random admit/append/fork/free/preempt/resume/adopt/write-back sequences on tiny pools, with the
+CPU prefix tier on or off.
 
 Beside the manager the test keeps a *shadow pool*: what each GPU and CPU slot holds. It plays the
-worker (writes each token into its slot, performs copy-on-write copies) and the daemon (runs swap
-plans, and the demotion and load copies the manager queues, right after each call, as the daemon
-does). After every step ``check_integrity()`` must pass, every computed token of every running
-request must be found in its slot, and both copies of a prefix held in two tiers must be equal:
-that catches a prefix hit on wrong bytes, a missing copy-on-write, a lost swap, a demotion that
-copied too late, a load from the wrong CPU block or a block reused while still held.
-"""
+worker (writes each token into its slot, performs copy-on-write copies before its next write, as the
+worker's next launch does, and confirms them later; a worker that dies never performs or confirms
+its last ones) and the daemon (runs swap plans, and the demotion and load copies the manager queues,
+right after each call, as the daemon does). After every step ``check_integrity()`` must pass, every
+computed token of every running request must be found in its slot, and both copies of a prefix held
+in two tiers must be equal: that catches a prefix hit on wrong bytes, a missing copy-on-write, a
+lost swap, a demotion that copied too late, a load from the wrong CPU block or a block reused while
+still held."""
 
 from __future__ import annotations
 
@@ -44,6 +45,8 @@ class KVMachine(RuleBasedStateMachine):
         self.gpu: list[list[int | None]] = [[None] * BS for _ in range(gpu)]
         self.cpu: list[list[int | None]] = [[None] * BS for _ in range(cpu)]
         self.written: dict[str, int] = {}  # tokens the "worker" wrote, reported at its next append
+        self.owed: dict[str, list[tuple[int, int]]] = {"w1": [], "w2": []}  # copies not made yet
+        self.made: dict[str, list[int]] = {"w1": [], "w2": []}  # copies made, not confirmed yet
         self.next_id = 0
         self.now = 0.0
 
@@ -56,9 +59,17 @@ class KVMachine(RuleBasedStateMachine):
         for b in blocks:
             self.gpu[b] = [None] * BS
 
+    def _perform(self, worker: str) -> None:
+        """The worker's launch: the copy-on-write copies it owes, before its forward."""
+        for src, dst in self.owed[worker]:
+            self.gpu[dst] = list(self.gpu[src])
+            self.made[worker].append(dst)
+        self.owed[worker] = []
+
     def _write(self, req_id: str, upto: int) -> None:
         """The forward pass: KV of tokens [written, upto) lands in their slots."""
         r = self.m.requests[req_id]
+        self._perform(r.worker)
         for pos in range(self.written[req_id], upto):
             self.gpu[r.block_ids[pos // BS]][pos % BS] = r.token_ids[pos]
         self.written[req_id] = upto
@@ -120,17 +131,17 @@ class KVMachine(RuleBasedStateMachine):
             assert err.code == "no_space"
             return False
         self._run(TransferPlan())
-        self._poison(growth.new_block_ids)
-        for _, src, dst in growth.copies:
-            self.gpu[dst] = list(self.gpu[src])
+        self._poison(growth.new_block_ids + [dst for _, _, dst in growth.copies])
+        self.owed[r.worker] += [(src, dst) for _, src, dst in growth.copies]
         return True
 
     @precondition(lambda self: self._running())
     @rule(data=st.data(), new=st.lists(st.integers(0, 2), max_size=5))
     def step(self, data: st.DataObject, new: list[int]) -> None:
-        """append (reporting what was written, asking room for ``new``), then a forward pass."""
+        """append (reporting what was written, asking room for ``new``), then a forward pass
+        (or not yet: the worker may die first)."""
         req_id = data.draw(st.sampled_from(self._running()))
-        if self._append(req_id, new):
+        if self._append(req_id, new) and data.draw(st.booleans()):
             upto = data.draw(
                 st.integers(self.written[req_id], len(self.m.requests[req_id].token_ids))
             )
@@ -146,6 +157,7 @@ class KVMachine(RuleBasedStateMachine):
         worker then preempts a request and reports again)."""
         req_id = data.draw(st.sampled_from(self._running()))
         r = self.m.requests[req_id]
+        self._perform(r.worker)
         position = len(r.token_ids)
         if self.written[req_id] != position or position >= len(r.block_ids) * BS:
             return
@@ -212,6 +224,9 @@ class KVMachine(RuleBasedStateMachine):
         for v in victims:
             by_worker.setdefault(self.m.requests[v].worker, []).append(v)
         for worker, ids in by_worker.items():
+            self._perform(worker)  # the worker makes its copies before it preempts
+            self.m.copied(self.made[worker])
+            self.made[worker] = []
             modes, plan = self.m.preempt(ids, worker, self.now)
             self._run(plan)
             assert len(plan.swap_out) == sum(
@@ -253,6 +268,7 @@ class KVMachine(RuleBasedStateMachine):
         req_id = data.draw(st.sampled_from(sorted(self.m.requests)))
         r = self.m.requests[req_id]
         dead, heir = r.worker, "w2" if r.worker == "w1" else "w1"
+        self.owed[dead], self.made[dead] = [], []  # never made, or never confirmed
         self.now += 1.0
         self.m.orphan_worker(dead, self.now)
         streamed = r.token_ids[: max(1, len(r.token_ids) - keep)] + unreported
@@ -278,6 +294,12 @@ class KVMachine(RuleBasedStateMachine):
             other_placement, plan = adopted
             if other_placement is not None:
                 self.written[other] = other_placement.num_computed
+
+    @rule(worker=st.sampled_from(["w1", "w2"]))
+    def confirm_copies(self, worker: str) -> None:
+        """The worker's next Step confirms the copies its processed steps made."""
+        self.m.copied(self.made[worker])
+        self.made[worker] = []
 
     @rule()
     def reset_cache(self) -> None:
@@ -333,7 +355,10 @@ class KVMachine(RuleBasedStateMachine):
         for req_id, r in self.m.requests.items():
             if r.status is not Status.RUNNING:
                 continue
+            owed = {dst for _, dst in self.owed[r.worker]}
             for pos in range(r.num_computed):
+                if r.block_ids[pos // BS] in owed:
+                    continue  # its worker makes the copy before its next forward
                 slot = self.gpu[r.block_ids[pos // BS]][pos % BS]
                 assert slot == r.token_ids[pos], f"{req_id} pos {pos}: {slot} != {r.token_ids[pos]}"
 
