@@ -37,9 +37,9 @@ export DEBIAN_FRONTEND=noninteractive
 
 if ! command -v dockerd >/dev/null || ! command -v mmdebstrap >/dev/null; then
   say "installing Debian's docker.io and mmdebstrap"
-  if ! { $sudo apt-get update -qq >/dev/null &&
-    $sudo apt-get install -y -qq --no-install-recommends docker.io mmdebstrap ca-certificates \
-      >/dev/null; }; then
+  if ! out="$($sudo apt-get update -qq 2>&1 &&
+    $sudo apt-get install -y -qq --no-install-recommends docker.io mmdebstrap ca-certificates 2>&1)"; then
+    echo "$out" | tail -5 >&2
     say "apt-get could not install docker.io: the compose test will skip"
     exit 0
   fi
@@ -70,8 +70,9 @@ if ! engine_answers; then
     say "a dockerd is running but does not answer; waiting for it"
   else
     say "starting dockerd (log: /var/log/pagedserve-dockerd.log)"
-    # setsid + nohup: it outlives this script and the test run, as a service would.
-    $sudo setsid nohup dockerd >>/var/log/pagedserve-dockerd.log 2>&1 </dev/null &
+    # setsid + nohup: it outlives this script and the test run, as a service would. The log is
+    # opened by root's shell (with sudo, this one could not write to /var/log).
+    $sudo sh -c 'setsid nohup dockerd >>/var/log/pagedserve-dockerd.log 2>&1 </dev/null &'
   fi
   for _ in $(seq 1 60); do engine_answers && break; sleep 1; done
 fi
