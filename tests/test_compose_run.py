@@ -11,7 +11,8 @@ restart redis` (the append-only file on its volume) and answered once a worker i
 `docker compose down` with every container stopped by SIGTERM, inside its stop grace period.
 
 Selected with `-m docker`; skips with one line where no engine can run. The images stay
-(pagedserve-test:<worktree hash>, ...): a second run reuses them and the build cache.
+(pagedserve-test:<worktree hash>, ...): a second run reuses them and the build cache; the
+untagged ones the builds leave are removed.
 """
 
 from __future__ import annotations
@@ -129,7 +130,7 @@ class Stack:
     """One compose project of the CPU stack."""
 
     def __init__(self, tmp: Path, base: str) -> None:
-        self.project = f"pagedserve-test-{os.getpid()}"
+        self.project = f"pagedserve-test-{TAG}"  # one worktree's runs: one project
         self.port = free_port()
         empty = tmp / "empty"
         empty.mkdir()
@@ -370,6 +371,9 @@ def test_cpu_stack_under_compose(tmp_path: Path, capsys: pytest.CaptureFixture[s
             timeout=300,
             check=False,
         )
+        # The images each service's build left untagged (all three build the one image).
+        label = f"label=com.docker.compose.project={stack.project}"
+        docker("image", "prune", "--force", "--filter", label, check=False)
         steps.say(
             "times: " + ", ".join(f"{name} {took:.0f} s" for name, took in steps.times) + "\n"
         )
