@@ -22,7 +22,14 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)
 	$(VENV)/bin/pagedserve up $(SERVE_ARGS)
 
+# What the tests need beyond .venv, installed first where this can (root or password-less sudo,
+# apt): Chromium for the admin page's browser tests, a Docker engine with Compose v2 for the
+# compose test. Elsewhere those tests skip, and pytest's last lines (SKIPPED ...) name the
+# command that installs what they missed. TEST_DEPS=0 installs nothing.
+TEST_DEPS ?= 1
+
 test: lint $(STAMP)
+	@if [ "$(TEST_DEPS)" = 1 ]; then bash .ci/install-browser.sh; bash .ci/install-docker.sh; fi
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # Static checks, part of `make test`: ruff's lint and format, mypy over the configured files

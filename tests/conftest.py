@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import uuid
 from collections.abc import Iterator
@@ -93,3 +94,27 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.write_sep("-", "test artifacts")
         for path in artifacts:
             terminalreporter.write_line(path)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The very last line (after pytest's totals): tests skipped because this machine lacks what
+    an install script provides (their skip reasons name the script), and the command that fixes
+    it."""
+    terminalreporter = config.pluginmanager.get_plugin("terminalreporter")
+    if terminalreporter is None:
+        return
+    reasons = [
+        str(report.longrepr[2])
+        for report in terminalreporter.stats.get("skipped", [])
+        if isinstance(report, pytest.TestReport) and isinstance(report.longrepr, tuple)
+    ]
+    scripts = [re.findall(r"bash (\.ci/install-[\w-]+\.sh)", reason) for reason in reasons]
+    fixes = sorted({script for found in scripts for script in found})
+    if fixes:
+        commands = " && ".join(f"sudo bash {script}" for script in fixes)
+        terminalreporter.write_line(
+            f"{sum(map(bool, scripts))} tests skipped for what this machine lacks (SKIPPED "
+            f"above): `{commands}` installs it; then make test again",
+            yellow=True,
+            bold=True,
+        )
