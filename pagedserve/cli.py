@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import subprocess
 import sys
@@ -83,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    faulthandler.enable()  # a crash in native code (SIGSEGV, SIGABRT) logs where it happened
     parser = build_parser()
     args = parser.parse_args(argv)
 

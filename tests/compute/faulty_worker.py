@@ -3,9 +3,10 @@ fault-isolation tests: ``python -m tests.compute.faulty_worker <pagedserve compu
 
 Each stage's function is wrapped (monkeypatched in this process only): when it runs for a marked
 request it raises ``InjectedFault`` (a request whose id contains ``poison-{stage}``), or kills the
-process as a crash would (``kill-{stage}``). Stages whose function has no request id at hand
-mark the request by a parameter instead: a guide whose spec contains ``poison-guide``, a stop
-string ``poison-stop``, ``logprobs`` = ``POISON_LOGPROBS``.
+process as a crash would (``kill-{stage}``, or any request with ``seed`` = ``KILL_SEED``, which a
+client of the gateway can set). Stages whose function has no request id at hand mark the request
+by a parameter instead: a guide whose spec contains ``poison-guide``, a stop string
+``poison-stop``, ``logprobs`` = ``POISON_LOGPROBS``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import compute.stops
 from pagedserve.cli import main
 
 POISON_LOGPROBS = 17  # a request asking for this many top logprobs fails where they are built
+KILL_SEED = 666_666  # a request with this seed kills the worker when it is admitted
 
 
 class InjectedFault(RuntimeError):
@@ -38,12 +40,20 @@ def _id_marked(req_id: str, stage: str) -> bool:
     return f"poison-{stage}" in req_id
 
 
+def _killer(seed: int | None) -> bool:
+    if seed == KILL_SEED:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return False
+
+
 # stage -> (owner, attribute, whether a call is for a marked request)
 STAGES: dict[str, tuple[Any, str, Callable[..., bool]]] = {
     "admission": (
         compute.registry.Requests,
         "start",
-        lambda self, entry_id, record: _id_marked(record.req_id, "admission"),
+        lambda self, entry_id, record: (
+            _killer(record.params.seed) or _id_marked(record.req_id, "admission")
+        ),
     ),
     "adoption": (
         compute.registry.Requests,

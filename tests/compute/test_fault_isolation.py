@@ -6,13 +6,18 @@ block stays in use. And a request that kills its worker is failed after its seco
 
 from __future__ import annotations
 
+import concurrent.futures
+import json
 import os
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -22,11 +27,11 @@ from contracts.records import Guide, OutputRecord, RequestRecord, SamplingParams
 from kvstore import protocol as p
 from kvstore.client import KVClient
 from pagedserve.cli import wait_for_workers
-from tests.compute.faulty_worker import POISON_LOGPROBS
+from tests.compute.faulty_worker import KILL_SEED, POISON_LOGPROBS
 from tests.compute.serving import submit
 from tests.conftest import ROOT, entry_record, start_kvstore, stop_process
+from tests.gateway.conftest import Stack
 
-WORKER_ID = "w-faulty"
 # the requests that run beside each poisoned one, one per kind of per-request work
 NORMAL: dict[str, tuple[bytes, SamplingParams]] = {
     "greedy": (b"hello world", SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)),
@@ -75,6 +80,7 @@ class FaultyStack:
     redis_url: str
     endpoint: str
     logs: Path
+    worker_id: str = "w-faulty"
     worker: subprocess.Popen[bytes] | None = None
     starts: int = 0
 
@@ -83,7 +89,7 @@ class FaultyStack:
         log = open(self.logs / f"worker-{self.starts}.log", "wb")  # noqa: SIM115
         flags = ["--model", "tiny", "--device", "cpu", "--dtype", "float32"]
         flags += ["--kvstore", self.endpoint, "--redis-url", self.redis_url]
-        flags += ["--worker-id", WORKER_ID, "--max-num-seqs", "32"]
+        flags += ["--worker-id", self.worker_id, "--max-num-seqs", "32"]
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         command = [sys.executable, "-m", "tests.compute.faulty_worker", *flags]
         self.worker = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -208,3 +214,53 @@ def test_a_fault_while_adopting_a_dead_worker_s_request_ends_that_request_alone(
     assert_as_reference(served, reference, "adopt")
     stats = stack.stats()
     assert stats.gpu.used == 0 and not stats.requests, stats.gpu
+
+
+def test_a_request_that_kills_its_worker_is_failed_after_its_second_death(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """Through HTTP: a request whose admission kills the worker (SIGKILL, as a segfault
+    would). A supervisor restarts the worker each time; its second death is the request's
+    last (``queue_keys.MAX_DELIVERIES``): the client gets a 500 saying so, and the stack then
+    serves the next request."""
+    url = redis_url.rsplit("/", 1)[0] + "/5"  # not the other tests' stack's
+    redis.Redis.from_url(url).flushdb()
+    kvstore, endpoint = start_kvstore("--model", "tiny", "--dtype", "float32")
+    faulty = FaultyStack(url, endpoint, tmp_path, worker_id="w-poison")
+    deaths = 0
+    try:
+        faulty.start_worker()
+        with Stack("", url, endpoint, tmp_path).gateway() as gateway:
+            body = {"model": "tiny", "prompt": "kill", "max_tokens": 4, "seed": KILL_SEED}
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                answer = pool.submit(post, f"{gateway.url}/v1/completions", body)
+                deadline = time.monotonic() + 300
+                while not answer.done():  # the supervisor
+                    assert time.monotonic() < deadline, "no answer"
+                    assert faulty.worker is not None
+                    if faulty.worker.poll() is not None:
+                        deaths += 1
+                        faulty.start_worker()
+                    time.sleep(0.1)
+                status, error = answer.result()
+            assert status == 500 and error["error"]["code"] == "worker_error", error
+            assert "died while serving it, 2 times" in error["error"]["message"], error
+            assert deaths == 2
+            normal = {"model": "tiny", "prompt": "hello", "max_tokens": 4}
+            status, done = post(f"{gateway.url}/v1/completions", normal)
+            assert status == 200 and done["usage"]["completion_tokens"] == 4, done
+    finally:
+        if faulty.worker is not None:
+            faulty.worker.kill()
+        stop_process(kvstore)
+
+
+def post(url: str, body: dict[str, object]) -> tuple[int, dict[str, Any]]:
+    """POSTs ``body`` as JSON: the status and the decoded answer (an error's too)."""
+    request = urllib.request.Request(url, json.dumps(body).encode(), method="POST")
+    request.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(request, timeout=280) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
