@@ -91,7 +91,9 @@ class KVService:
         """A worker (re)joins. What the daemon still holds under its id belongs to a previous
         life of it (a restarted process, or one that lost track of us): orphaned, adoptable."""
         self.leases.register(Worker(body.worker_id, now, now, body.device, body.pid))
-        self.manager.pricing.register(body.worker_id, body.prefill_profile, body.recompute_profile)
+        self.manager.pricing.register(
+            body.worker_id, body.prefill_profile, body.recompute_profile, body.graph_token_buckets
+        )
         orphaned = self.manager.orphan_worker(body.worker_id, now)
         log.info(
             "worker %s registered (pid %d, %s, %d prefill and %d recompute points)%s",
