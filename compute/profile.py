@@ -37,7 +37,8 @@ log = logging.getLogger("pagedserve.compute")
 DEFAULT_TOKENS = (16, 128, 512, 2048)
 RECOMPUTE_TOKENS = (16, 64, 256, 1024)
 RECOMPUTE_CONTEXTS = (0, 2048)
-SHORT_S = 0.05  # a forward predicted shorter than this is timed 3 times (median), else once
+SHORT_S = 0.25  # a forward predicted shorter than this is timed 3 times (median), else once
+MAX_WORST = 4.0  # the most a shortfall scales predictions by (one noisy point cannot stop all)
 
 P = TypeVar("P")
 
@@ -65,8 +66,9 @@ class Profiles:
 @dataclass
 class Budget:
     """``seconds`` of measuring, read on ``clock``, from the first ``start()`` on. ``worst``:
-    the largest ratio of a point's measured cost to its prediction so far (predictions are
-    scaled by it: a device whose attention is slower than its FLOPs say is predicted so)."""
+    the largest ratio of a point's measured cost to its prediction so far, at most
+    ``MAX_WORST`` (predictions are scaled by it: a device whose attention is slower than its
+    FLOPs say is predicted so; a point slowed by another process's burst weighs no more)."""
 
     seconds: float
     clock: Callable[[], float] = time.monotonic
@@ -122,7 +124,7 @@ def measure_points(
             break
         seconds = run(point, times, left)
         if scaled is not None and scaled > 0:
-            budget.worst = max(budget.worst, seconds / scaled)
+            budget.worst = min(max(budget.worst, seconds / scaled), MAX_WORST)
         measured.append((point, seconds))
     return measured
 

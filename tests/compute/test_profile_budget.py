@@ -15,6 +15,7 @@ from transformers import PreTrainedModel
 
 from compute.profile import (
     DEFAULT_TOKENS,
+    MAX_WORST,
     RECOMPUTE_CONTEXTS,
     RECOMPUTE_TOKENS,
     SHORT_S,
@@ -76,6 +77,18 @@ def test_a_device_slower_than_its_work_is_predicted_so() -> None:
     measured = measure_points([1, 2, 3, 4], work, device.run, budget)
     assert [point for point, _ in measured] == [1, 2, 3]
     assert budget.worst == 2.0 and budget.skipped == [4]
+
+
+def test_one_point_slowed_down_scales_predictions_by_at_most_max_worst() -> None:
+    """Point 2 took 100x its prediction (another process's burst): point 3 is predicted at
+    200 * 3/2 * MAX_WORST = 1200 s a forward (2400 s with its warm-up), not 300 * 100."""
+    device = Device({1: 1.0, 2: 200.0, 3: 300.0})
+    budget = Budget(402.0 + 2400.0, device.clock)  # points 1 and 2 took 402 s
+    assert [point for point, _ in measure_points([1, 2, 3], work, device.run, budget)] == [1, 2, 3]
+    assert budget.worst == MAX_WORST
+    device = Device({1: 1.0, 2: 200.0, 3: 300.0})
+    budget = Budget(402.0 + 2400.0 - 1, device.clock)  # 1 s short of it
+    assert [point for point, _ in measure_points([1, 2, 3], work, device.run, budget)] == [1, 2]
 
 
 def test_short_forwards_are_timed_three_times() -> None:
