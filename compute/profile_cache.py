@@ -39,8 +39,8 @@ class ProfileKey(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """What a profile was measured for: ``model`` (the checkpoint's path, or ``tiny``),
     ``model_files`` (a digest of its files' names, sizes and modification times), ``device``
     (``describe_device``), ``dtype``, ``code`` (a digest of the package versions and of the
-    forward path's sources), the block size, the tokens of the worker's graphs of prefill steps
-    and the measuring budget."""
+    forward path's sources), the block size and the tokens of the worker's graphs of prefill
+    steps."""
 
     model: str
     model_files: str
@@ -49,7 +49,6 @@ class ProfileKey(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     code: str
     block_size: int
     graph_tokens: int
-    budget_s: float
 
     def file_name(self) -> str:
         return hashlib.sha256(msgspec.json.encode(self)).hexdigest()[:24] + ".json"
@@ -60,7 +59,8 @@ class CachedProfile(msgspec.Struct, forbid_unknown_fields=True):
     key: ProfileKey
     measured_at: float  # unix time
     measure_s: float
-    skipped: int
+    budget_s: float  # the budget it was measured within
+    skipped: int  # points that budget left out
     prefill: list[tuple[int, float]]
     recompute: list[tuple[int, int, float]]
     graph_buckets: list[int]
@@ -133,7 +133,7 @@ def model_files(model: str) -> str:
 
 
 def profile_key(
-    model_name: str, model: PreTrainedModel, block_size: int, graph_tokens: int, budget_s: float
+    model_name: str, model: PreTrainedModel, block_size: int, graph_tokens: int
 ) -> ProfileKey:
     path = Path(model_name)
     return ProfileKey(
@@ -144,7 +144,6 @@ def profile_key(
         code_version(),
         block_size,
         graph_tokens,
-        budget_s,
     )
 
 
@@ -178,14 +177,17 @@ def load(directory: Path, key: ProfileKey) -> CachedProfile | None:
     return cached
 
 
-def save(directory: Path, key: ProfileKey, profiles: Profiles, measured_at: float) -> Path | None:
-    """Writes ``profiles`` for ``key`` (atomically: a reader sees the old file or the new one);
-    its path, or None (logged) if it could not be written."""
+def save(
+    directory: Path, key: ProfileKey, profiles: Profiles, measured_at: float, budget_s: float
+) -> Path | None:
+    """Writes ``profiles`` for ``key``, measured within ``budget_s`` (atomically: a reader sees
+    the old file or the new one); its path, or None (logged) if it could not be written."""
     cached = CachedProfile(
         FORMAT,
         key,
         measured_at,
         profiles.seconds,
+        budget_s,
         profiles.skipped,
         profiles.prefill,
         profiles.recompute.points,
@@ -213,11 +215,21 @@ def obtain(
     cache: str,
 ) -> tuple[Profiles, p.ProfileOrigin]:
     """The profiles a worker registers with and where they came from: the cache's for this
-    key, else measured now within ``budget_s`` (and cached), else none (a budget of 0: the
+    key (unless a budget left points out of it and ``budget_s`` is larger: measured again),
+    else measured now within ``budget_s`` (and cached), else none (a budget of 0: the
     kvstore's priors)."""
     directory = cache_dir(cache)
-    key = profile_key(model_name, model, block_size, graph_tokens, budget_s)
+    key = profile_key(model_name, model, block_size, graph_tokens)
     cached = load(directory, key) if directory is not None else None
+    if cached is not None and cached.skipped and budget_s > cached.budget_s:
+        log.info(
+            "the cached cost-model profile left %d points out within %.0f s: measuring again "
+            "within %.0f s",
+            cached.skipped,
+            cached.budget_s,
+            budget_s,
+        )
+        cached = None
     if cached is not None:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(cached.measured_at))
         log.info(
@@ -248,6 +260,6 @@ def obtain(
     )
     source: p.ProfileSource = "measured" if points else "prior"
     if points and directory is not None:
-        save(directory, key, profiles, measured_at)
+        save(directory, key, profiles, measured_at, budget_s)
     at = measured_at if points else 0.0
     return profiles, p.ProfileOrigin(source, at, profiles.seconds, profiles.skipped)

@@ -89,16 +89,17 @@ class ComputeConfig:
         metadata={
             "help": "seconds the worker may spend at start-up timing forwards for the kvstore's "
             "cost model (swap vs recompute), cheapest first; the kvstore extrapolates past the "
-            "points left out. 0: time none, the kvstore prefers swapping and loading (it "
-            "measures those itself) until a profile is cached"
+            "points left out. 0: time none (a cached profile is still used; without one the "
+            "kvstore prefers swapping and loading, which it measures itself)"
         },
     )
     profile_cache: str = field(
         default="",
         metadata={
             "help": "directory where measured profiles are kept and reused by a worker of the "
-            "same model files, device, dtype, code version and settings (a restart then "
-            "measures nothing); '' is $PAGEDSERVE_PROFILE_CACHE, else "
+            "same model files, device, dtype, code version and graph settings (a restart then "
+            "measures nothing, unless its budget is larger than the one that left points out); "
+            "'' is $PAGEDSERVE_PROFILE_CACHE, else "
             "$XDG_CACHE_HOME/pagedserve/profiles (~/.cache/...); 'off': no cache"
         },
     )

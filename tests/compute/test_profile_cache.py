@@ -31,7 +31,7 @@ def tiny() -> PreTrainedModel:
 
 
 def key(**changes: object) -> pc.ProfileKey:
-    base = pc.ProfileKey("tiny", "tiny", "cpu X", "float32", "abc", 16, 2048, 10.0)
+    base = pc.ProfileKey("tiny", "tiny", "cpu X", "float32", "abc", 16, 2048)
     return msgspec.structs.replace(base, **changes)
 
 
@@ -52,16 +52,15 @@ def test_cache_dir_setting_environment_and_default(
 def test_the_key_tells_model_device_dtype_code_and_settings_apart(
     tiny: PreTrainedModel, tmp_path: Path
 ) -> None:
-    same = pc.profile_key("tiny", tiny, 16, 2048, 10.0)
-    assert same == pc.profile_key("tiny", tiny, 16, 2048, 10.0)
+    same = pc.profile_key("tiny", tiny, 16, 2048)
+    assert same == pc.profile_key("tiny", tiny, 16, 2048)
     assert same.device.startswith("cpu ") and same.dtype == "float32" and same.model == "tiny"
     names = {same.file_name()}
     for field in ("model", "model_files", "device", "dtype", "code"):
         names.add(msgspec.structs.replace(same, **{field: "other"}).file_name())
-    names.add(pc.profile_key("tiny", tiny, 32, 2048, 10.0).file_name())  # block size
-    names.add(pc.profile_key("tiny", tiny, 16, 512, 10.0).file_name())  # graph tokens
-    names.add(pc.profile_key("tiny", tiny, 16, 2048, 20.0).file_name())  # budget
-    assert len(names) == 9
+    names.add(pc.profile_key("tiny", tiny, 32, 2048).file_name())  # block size
+    names.add(pc.profile_key("tiny", tiny, 16, 512).file_name())  # graph tokens
+    assert len(names) == 8
 
 
 def test_a_checkpoint_rewritten_in_place_is_another_model(tmp_path: Path) -> None:
@@ -81,12 +80,13 @@ def test_the_code_version_follows_the_forward_paths_sources() -> None:
 
 
 def test_a_saved_profile_is_found_under_its_key_only(tmp_path: Path) -> None:
-    path = pc.save(tmp_path, key(), PROFILES, 1_700_000_000.0)
+    path = pc.save(tmp_path, key(), PROFILES, 1_700_000_000.0, 10.0)
     assert path == tmp_path / key().file_name()
     cached = pc.load(tmp_path, key())
     assert cached is not None
     assert (cached.prefill, cached.recompute) == (PROFILES.prefill, PROFILES.recompute.points)
     assert (cached.graph_buckets, cached.skipped, cached.measure_s) == ([64, 128], 3, 4.5)
+    assert cached.budget_s == 10.0
     assert cached.measured_at == 1_700_000_000.0
     assert pc.load(tmp_path, key(dtype="bfloat16")) is None  # a miss: another file
     assert pc.load(tmp_path, key(code="newer")) is None
@@ -105,7 +105,7 @@ def ignored(tmp_path: Path, caplog: pytest.LogCaptureFixture, content: bytes) ->
 
 
 def valid(**changes: object) -> bytes:
-    cached = pc.CachedProfile(pc.FORMAT, key(), 1.0, 2.0, 0, [(16, 0.01)], [], [])
+    cached = pc.CachedProfile(pc.FORMAT, key(), 1.0, 2.0, 10.0, 0, [(16, 0.01)], [], [])
     return msgspec.json.encode(msgspec.structs.replace(cached, **changes))
 
 
@@ -129,7 +129,7 @@ def test_an_unwritable_cache_does_not_stop_the_worker(
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     with caplog.at_level(logging.WARNING, logger="pagedserve.compute"):
-        assert pc.save(blocker / "profiles", key(), PROFILES, 1.0) is None
+        assert pc.save(blocker / "profiles", key(), PROFILES, 1.0, 10.0) is None
     assert "could not cache" in caplog.text
 
 
@@ -156,7 +156,7 @@ def test_obtain_measures_once_then_reads_the_cache_and_replaces_a_corrupt_one(
     with caplog.at_level(logging.INFO, logger="pagedserve.compute"):
         _, third = pc.obtain("tiny", tiny, 16, 0, 1.0, str(tmp_path))
     assert third.source == "measured" and "corrupt" in caplog.text
-    assert pc.load(tmp_path, pc.profile_key("tiny", tiny, 16, 0, 1.0)) is not None  # rewritten
+    assert pc.load(tmp_path, pc.profile_key("tiny", tiny, 16, 0)) is not None  # rewritten
 
 
 def test_no_budget_and_no_cache_is_the_prior(tiny: PreTrainedModel, tmp_path: Path) -> None:
@@ -164,7 +164,19 @@ def test_no_budget_and_no_cache_is_the_prior(tiny: PreTrainedModel, tmp_path: Pa
     assert origin == p.ProfileOrigin("prior", 0.0, 0.0, 0)
     assert profiles.prefill == [] and profiles.recompute.points == []
     assert list(tmp_path.iterdir()) == []  # nothing measured, nothing cached
-    key0 = pc.profile_key("tiny", tiny, 16, 0, 0.0)
-    pc.save(tmp_path, key0, PROFILES, 5.0)  # a profile cached under the same settings is used
-    profiles, origin = pc.obtain("tiny", tiny, 16, 0, 0.0, str(tmp_path))
-    assert origin.source == "cached" and profiles.prefill == PROFILES.prefill
+
+
+def test_a_cut_profile_is_measured_again_only_within_a_larger_budget(
+    tiny: PreTrainedModel, tmp_path: Path
+) -> None:
+    """A profile that left 3 points out within 0.5 s: a worker with no budget or the same one
+    registers it; one given 1 s measures (and replaces it)."""
+    pc.save(tmp_path, pc.profile_key("tiny", tiny, 16, 0), PROFILES, 5.0, 0.5)
+    for budget in (0.0, 0.5):
+        profiles, origin = pc.obtain("tiny", tiny, 16, 0, budget, str(tmp_path))
+        assert origin == p.ProfileOrigin("cached", 5.0, 4.5, 3)
+        assert profiles.prefill == PROFILES.prefill
+    profiles, origin = pc.obtain("tiny", tiny, 16, 0, 1.0, str(tmp_path))
+    assert origin.source == "measured" and profiles.prefill != PROFILES.prefill
+    cached = pc.load(tmp_path, pc.profile_key("tiny", tiny, 16, 0))
+    assert cached is not None and (cached.budget_s, cached.measured_at) == (1.0, origin.measured_at)

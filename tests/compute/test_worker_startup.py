@@ -33,9 +33,9 @@ def test_a_worker_with_a_cached_profile_registers_without_measuring(
     config, scheduling = ComputeConfig(), SchedulerConfig()
     model, _ = load_model("tiny", config.dtype, "cpu")  # the worker's model, as it loads it
     graph_tokens = min(config.cuda_graph_max_tokens, scheduling.max_num_batched_tokens)
-    key = pc.profile_key("tiny", model, 16, graph_tokens, config.profile_budget_s)
+    key = pc.profile_key("tiny", model, 16, graph_tokens)
     cache = tmp_path / "profiles"
-    assert pc.save(cache, key, CACHED, 1_700_000_000.0) is not None
+    assert pc.save(cache, key, CACHED, 1_700_000_000.0, config.profile_budget_s) is not None
     kvstore, endpoint = start_kvstore("--model", "tiny")
     log = tmp_path / "worker.log"
     url = redis_url.rsplit("/", 1)[0] + f"/{DB}"
