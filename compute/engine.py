@@ -94,6 +94,7 @@ class Engine:
         cuda_graph_max_batch: int = 0,
         cuda_graph_max_tokens: int = 0,
         recompute_profile: RecomputeProfile | None = None,
+        profile_origin: p.ProfileOrigin | None = None,
     ) -> None:
         """Registers at the kvstore, maps its pool and takes back the requests a previous
         process under ``worker_id`` left pending. ``claim_idle_ms``: a pending request untouched
@@ -101,7 +102,7 @@ class Engine:
         every ``claim_idle_ms / 4``). ``cuda_graph_max_batch``: decode steps up to that size
         replay CUDA graphs; ``cuda_graph_max_tokens``: other steps up to that many tokens
         replay CUDA graphs of mixed steps (CUDA only, ``ModelRunner``). The profiles go to the
-        kvstore's cost model (``compute.profile``)."""
+        kvstore's cost model (``compute.profile``), with ``profile_origin``."""
         self.worker_id = worker_id
         self.model = model
         self.tokenizer = tokenizer
@@ -110,6 +111,7 @@ class Engine:
         self.config = config
         self.prefill_profile = prefill_profile
         self.recompute_profile = recompute_profile or RecomputeProfile([], [])
+        self.profile_origin = profile_origin
         self.claim_idle_ms = claim_idle_ms
         self.cuda_graph_max_batch = cuda_graph_max_batch
         self.cuda_graph_max_tokens = cuda_graph_max_tokens
@@ -154,6 +156,7 @@ class Engine:
                 os.getpid(),
                 self.recompute_profile.points,
                 self.recompute_profile.graph_buckets,
+                self.profile_origin,
             )
         )
         if reply.pool != self._pool:

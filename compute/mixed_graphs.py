@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Sequence
 
 import torch
 from transformers import PreTrainedModel
@@ -67,9 +68,11 @@ class MixedGraphs:
         max_chunks: int,
         max_blocks: int,
         tables: DeviceBlockTables,
+        buckets: Sequence[int] = (),
     ) -> None:
         """pool: [num_blocks, layers, 2, block_size, kv_heads, head_dim] on CUDA; ``tables``:
-        the sequences' block tables on the device (the runner's)."""
+        the sequences' block tables on the device (the runner's); ``buckets``: the token counts
+        to capture (default ``token_buckets(max_tokens)``; the largest must be ``max_tokens``)."""
         from kernels import prefill_tile_tokens
 
         assert pool.is_cuda, "CUDA graphs need the pool on a CUDA device"
@@ -83,7 +86,9 @@ class MixedGraphs:
         self.max_chunks = max_chunks
         self.max_blocks = max_blocks
         self.block_tables = tables
-        self.buckets = token_buckets(max_tokens)
+        self.buckets = sorted(buckets) if buckets else token_buckets(max_tokens)
+        if self.buckets[-1] != max_tokens:
+            raise ValueError(f"buckets {self.buckets} must end at max_tokens {max_tokens}")
         geometry = kv_geometry(config, str(pool.dtype).removeprefix("torch."))
         group = int(config.num_attention_heads) // geometry.num_kv_heads
         self.tile_tokens = prefill_tile_tokens(geometry.head_dim, group)

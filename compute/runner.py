@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
@@ -90,12 +91,15 @@ class ModelRunner:
         cuda_graph_max_batch: int = 0,
         cuda_graph_max_tokens: int = 0,
         max_chunks: int = 256,
+        cuda_graph_token_buckets: Sequence[int] = (),
     ) -> None:
         """``cuda_graph_max_batch`` > 0 (CUDA only): capture decode forwards of up to that many
         requests as CUDA graphs now, and replay them for decode-only steps.
         ``cuda_graph_max_tokens`` > 0 (CUDA, Llama/Mistral/Qwen2/Qwen3): capture forwards of up
         to that many tokens in up to ``max_chunks`` chunks (``compute.mixed_graphs``), and replay
-        them for the other steps that fit."""
+        them for the other steps that fit; ``cuda_graph_token_buckets``: only graphs of these
+        token counts (a profile's scratch runner; default: ``token_buckets``). ``startup_s``:
+        the seconds construction spent compiling kernels and capturing each kind of graph."""
         config = model.config
         if config._attn_implementation != ATTN_NAME:
             raise ValueError(
@@ -121,10 +125,13 @@ class ModelRunner:
         self.pool = pool
         self.block_size = block_size
         self.device = pool.device
+        self.startup_s: dict[str, float] = {}
+        started = time.perf_counter()
         if pool.is_cuda:  # no Triton compile mid-traffic
             from kernels import compile_variants
 
             compile_variants(pool[:, 0, 0], pool[:, 0, 1], int(config.num_attention_heads))
+            self.startup_s["kernels"] = time.perf_counter() - started
         self.graphs: DecodeGraphs | None = None
         # a table reaches past its last token (the kvstore's ``LOOKAHEAD_SLOTS``)
         max_blocks = -(-(config.max_position_embeddings + p.LOOKAHEAD_SLOTS) // block_size)
@@ -136,16 +143,26 @@ class ModelRunner:
             self.graphs = DecodeGraphs(
                 model, pool, block_size, cuda_graph_max_batch, max_blocks, self.tables
             )
+            started = time.perf_counter()
             self.graphs.capture()
+            self.startup_s["decode graphs"] = time.perf_counter() - started
         self.mixed: MixedGraphs | None = None
         self.last_path: ForwardPath = "eager"  # of the last forward, for the timeline
         if cuda_graph_max_tokens > 0 and pool.is_cuda:
             if config.model_type in MIXED_GRAPH_MODEL_TYPES:
                 chunks = min(max_chunks, cuda_graph_max_tokens)
+                started = time.perf_counter()
                 self.mixed = MixedGraphs(
-                    model, pool, cuda_graph_max_tokens, chunks, max_blocks, self.tables
+                    model,
+                    pool,
+                    cuda_graph_max_tokens,
+                    chunks,
+                    max_blocks,
+                    self.tables,
+                    cuda_graph_token_buckets,
                 )
                 self.mixed.capture()
+                self.startup_s["mixed graphs"] = time.perf_counter() - started
             else:
                 log.info(
                     "no CUDA graphs of mixed steps for %s models: they run eagerly",

@@ -8,6 +8,7 @@ import signal
 import socket
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import redis
@@ -21,8 +22,9 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from compute.engine import Engine
-    from compute.profile import RecomputeProfile
+    from compute.profile import Profiles
     from kvstore.client import KVClient
+    from kvstore.protocol import ProfileOrigin
 
 log = logging.getLogger("pagedserve.compute")
 
@@ -82,37 +84,109 @@ class ComputeConfig:
             "them eagerly"
         },
     )
+    profile_budget_s: float = field(
+        default=10.0,
+        metadata={
+            "help": "seconds the worker may spend at start-up timing forwards for the kvstore's "
+            "cost model (swap vs recompute), cheapest first; the kvstore extrapolates past the "
+            "points left out. 0: time none (a cached profile is still used; without one the "
+            "kvstore prefers swapping and loading, which it measures itself)"
+        },
+    )
+    profile_cache: str = field(
+        default="",
+        metadata={
+            "help": "directory where measured profiles are kept and reused by a worker of the "
+            "same model files, device, dtype, code version and graph settings (a restart then "
+            "measures nothing, unless its budget is larger than the one that left points out); "
+            "'' is $PAGEDSERVE_PROFILE_CACHE, else "
+            "$XDG_CACHE_HOME/pagedserve/profiles (~/.cache/...); 'off': no cache"
+        },
+    )
     log_level: str = field(default="INFO", metadata={"help": "logging level"})
 
 
+class Phases:
+    """Start-up phases and their seconds, in order, for one log line; the first, ``python``, is
+    the time from the process's start (the interpreter, the command line's imports) to now."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._at = time.perf_counter()
+        started = _process_age_s()
+        if started is not None:
+            self.seconds["python"] = started
+
+    def done(self, name: str) -> None:
+        """Phase ``name`` ended now: it took the time since the previous one ended."""
+        now = time.perf_counter()
+        self.seconds[name] = self.seconds.get(name, 0.0) + now - self._at
+        self._at = now
+
+    def split(self, name: str, parts: dict[str, float]) -> None:
+        """Phase ``name`` held ``parts`` (seconds): shown apart, the rest under ``name``."""
+        total = self.seconds.pop(name, 0.0)
+        self.seconds[name] = max(total - sum(parts.values()), 0.0)
+        self.seconds.update(parts)
+
+    def line(self, notes: dict[str, str]) -> str:
+        total = sum(self.seconds.values())
+        parts = [
+            f"{name} {s:.1f} s" + (f" ({notes[name]})" if name in notes else "")
+            for name, s in self.seconds.items()
+        ]
+        return f"{', '.join(parts)}; {total:.1f} s in all"
+
+
+def _process_age_s() -> float | None:
+    """Seconds since this process started (Linux ``/proc``; None elsewhere)."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return max(uptime - ticks / os.sysconf("SC_CLK_TCK"), 0.0)
+
+
 def run(config: ComputeConfig, scheduling: SchedulerConfig) -> None:
-    """Loads the model (progress logged), measures its prefill times, registers and serves
-    until a signal: the first drains the running requests, a second stops at once."""
+    """Loads the model (progress logged), takes its cost-model profile (cached, or measured
+    within the budget), registers and serves until a signal: the first drains the running
+    requests, a second stops at once. Logs the start-up's phases in one line."""
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    phases = Phases()
     from compute.models import load_model
-    from compute.profile import measure_prefill, measure_recompute
+    from compute.profile_cache import obtain
     from contracts.model_config import resolve_device
     from kvstore.client import KVClient
 
+    phases.done("imports")
     worker_id = config.worker_id or f"{socket.gethostname()}-{os.getpid()}"
     model, tokenizer = load_model(config.model, config.dtype, resolve_device(config.device))
-    log.info("measuring prefill times for the kvstore's cost model")
-    profile = measure_prefill(model, block_size=16)
+    phases.done("model")
     graph_tokens = min(config.cuda_graph_max_tokens, scheduling.max_num_batched_tokens)
-    recompute = measure_recompute(model, block_size=16, graph_tokens=graph_tokens)
+    profiles, origin = obtain(
+        config.model, model, 16, graph_tokens, config.profile_budget_s, config.profile_cache
+    )
+    phases.done("profile")
     r = redis.Redis.from_url(config.redis_url)
     signals: list[int] = []
     signal.signal(signal.SIGINT, lambda signum, _frame: signals.append(signum))
     signal.signal(signal.SIGTERM, lambda signum, _frame: signals.append(signum))
     with KVClient(config.kvstore) as kv:
         engine = _start_engine(
-            worker_id, model, tokenizer, kv, r, config, scheduling, profile, recompute, signals
+            worker_id, model, tokenizer, kv, r, config, scheduling, profiles, origin, signals
         )
         if engine is None:
             return
+        phases.done("register")
+        if engine.runner is not None:
+            phases.split("register", engine.runner.startup_s)
         tune_gc_for_serving()
+        phases.done("gc")
+        cut = f", {origin.skipped} points past its budget" if origin.skipped else ""
+        log.info("start-up phases: %s", phases.line({"profile": origin.source + cut}))
         log.info(
             "worker %s serving (redis %s, kvstore %s)", worker_id, config.redis_url, config.kvstore
         )
@@ -128,8 +202,8 @@ def _start_engine(
     r: redis.Redis,
     config: ComputeConfig,
     scheduling: SchedulerConfig,
-    profile: list[tuple[int, float]],
-    recompute: RecomputeProfile,
+    profiles: Profiles,
+    origin: ProfileOrigin,
     signals: list[int],
 ) -> Engine | None:
     """The engine, once the kvstore and Redis answer (retried with backoff; None if a signal
@@ -146,11 +220,12 @@ def _start_engine(
                 kv,
                 r,
                 scheduling,
-                profile,
+                profiles.prefill,
                 config.claim_idle_ms,
                 config.cuda_graph_max_batch,
                 config.cuda_graph_max_tokens,
-                recompute,
+                profiles.recompute,
+                origin,
             )
         except RECOVERABLE as err:
             log.warning("cannot start serving yet (%s): retrying in %.1f s", err, delay)

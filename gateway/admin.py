@@ -159,6 +159,11 @@ def cost_model_body(stats: p.Stats) -> dict[str, Any]:
         "calibration": calibration,
         "prefill_profiles": {w.worker_id: w.prefill_profile for w in stats.workers},
         "recompute_profiles": {w.worker_id: w.recompute_profile for w in stats.workers},
+        # which profile is in force: measured at start-up, from the worker's cache, or prior
+        "profile_origins": {
+            w.worker_id: as_dict(w.profile_origin) if w.profile_origin else None
+            for w in stats.workers
+        },
         "decisions": [as_dict(d) for d in stats.decisions],
         "preemptions": stats.preemptions,
     }

@@ -14,6 +14,13 @@ loads), and online, the daemon's measured times of the prefix loads it ran.
   Where the worker replays CUDA graphs of fixed token counts (``graph_buckets``), the tokens
   priced are those its step grows by once padded to a graph: 16 more tokens may cost none (the
   step's graph had room) or 128 (the next graph).
+
+Priors, while a worker has sent no profile (it measured nothing: ``--profile-budget-s 0``): the
+recompute side has no price, so the side the kvstore measured itself wins wherever it can run (a
+preemption swaps when the CPU tier has room, a prefix hit loads); without a swap calibration, or
+with the CPU tier full, it recomputes, the only choice left. A partial profile (a budget cut it
+short) prices past its largest point by extrapolation. ``origins`` says, per worker, which
+profile is in force (``protocol.ProfileOrigin``: measured, from the worker's cache, or prior).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import bisect
 from collections.abc import Sequence
 
 from kvstore.cost_model import Choice, CostRefit, SwapCalibration, choose, choose_prefix_load
+from kvstore.protocol import ProfileOrigin
 
 RecomputePoint = tuple[int, int, float]  # (tokens, context tokens before them, seconds)
 
@@ -44,6 +52,7 @@ class Pricing:
         self.prefill_profiles: dict[str, list[tuple[int, float]]] = {}
         self.recompute_profiles: dict[str, list[RecomputePoint]] = {}
         self.graph_buckets: dict[str, list[int]] = {}
+        self.origins: dict[str, ProfileOrigin] = {}  # of the profiles in force, per worker
         self._recomputes: dict[str, CostRefit] = {}  # worker -> recompute prices
         self.loads = CostRefit()  # the daemon's own load times, every worker's
 
@@ -53,9 +62,14 @@ class Pricing:
         prefill_profile: Sequence[tuple[int, float]],
         recompute_profile: Sequence[RecomputePoint] = (),
         graph_buckets: Sequence[int] = (),
+        origin: ProfileOrigin | None = None,
     ) -> None:
-        """A worker's startup profiles (an empty one keeps what the worker sent before) and the
-        token counts of its CUDA graphs of prefill steps (none: it runs them eagerly)."""
+        """A worker's startup profiles (an empty one keeps what the worker sent before, and
+        its ``origin``), the token counts of its CUDA graphs of prefill steps (none: it runs
+        them eagerly) and where the profiles came from."""
+        kept = worker in self.prefill_profiles or worker in self.recompute_profiles
+        if origin is not None and (prefill_profile or recompute_profile or not kept):
+            self.origins[worker] = origin
         if prefill_profile:
             self.prefill_profiles[worker] = list(prefill_profile)
         if recompute_profile:

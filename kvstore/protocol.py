@@ -13,11 +13,12 @@ from typing import Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 8  # 2: Call.token; the wire's codes and kinds are closed sets (Literal).
+PROTOCOL_VERSION = 9  # 2: Call.token; the wire's codes and kinds are closed sets (Literal).
 # 3: AdmitItem.reuse_prefix, Step.finals. 4: the CPU prefix tier (Stats fields, DecisionRow.kind,
 # GetBlockMap, GetBlockInfo, Step.timeline, WorkerRow.timeline). 5: Register.recompute_profile
 # and .graph_token_buckets, WorkerRow.recompute_profile. 6: LOOKAHEAD_SLOTS.
-# 7: StepTimeline.held_steps. 8: Step.copied.
+# 7: StepTimeline.held_steps. 8: Register.profile_origin, WorkerRow.profile_origin.
+# 9: Step.copied.
 
 # A running request's block table holds the slots of its known tokens and of this many after
 # them: a worker may compute that many tokens the kvstore has not heard of yet (sampled tokens
@@ -47,6 +48,9 @@ BlockState = Literal["free", "running", "cached", "swapped", "demoted"]
 BLOCK_STATES: tuple[BlockState, ...] = ("free", "running", "cached", "swapped", "demoted")
 RequestStatus = Literal["running", "swapped", "dropped"]
 Tier = Literal["gpu", "cpu"]
+# Where a worker's cost-model profile came from: timed at this start-up, read from its on-disk
+# cache, or none at all (the kvstore prices by its priors).
+ProfileSource = Literal["measured", "cached", "prior"]
 
 
 class _Msg(msgspec.Struct, array_like=True, forbid_unknown_fields=True, tag=True):
@@ -84,13 +88,25 @@ class PoolInfo(_Item):
     cuda: CudaIpcHandle | None = None
 
 
+class ProfileOrigin(_Item):
+    """Where the profiles of a ``Register`` came from: ``measured_at`` (unix time; 0 for a
+    prior), ``measure_s`` (seconds the measuring took then), ``skipped`` (points its time
+    budget left out: the kvstore extrapolates over them)."""
+
+    source: ProfileSource
+    measured_at: float
+    measure_s: float
+    skipped: int
+
+
 # ---------------------------------------------------------------- requests (client -> daemon)
 class Register(_Msg):
     """A compute worker joins. ``prefill_profile``: its measured ``(tokens, seconds)`` prefill
     times from an empty context, eagerly (the recompute side of a preemption's price);
     ``recompute_profile``: ``(tokens, context, seconds)`` of forwards prefilling ``tokens`` after
     ``context`` cached, as the worker runs them (CUDA graphs included; a prefix load's price);
-    ``graph_token_buckets``: the token counts of its CUDA graphs of prefill steps (none: eager)."""
+    ``graph_token_buckets``: the token counts of its CUDA graphs of prefill steps (none: eager);
+    ``profile_origin``: where the profiles came from (None: a client that does not say)."""
 
     worker_id: str
     prefill_profile: list[tuple[int, float]] = []
@@ -98,6 +114,7 @@ class Register(_Msg):
     pid: int = 0
     recompute_profile: list[tuple[int, int, float]] = []
     graph_token_buckets: list[int] = []
+    profile_origin: ProfileOrigin | None = None
 
 
 class Heartbeat(_Msg):
@@ -367,6 +384,7 @@ class WorkerRow(_Item):
     recompute_profile: list[tuple[int, int, float]]
     timeline: StepTimeline | None  # the last one the worker sent
     timeline_age_s: float  # how long ago it came
+    profile_origin: ProfileOrigin | None = None  # of the profiles in force
 
 
 class Stats(_Msg):

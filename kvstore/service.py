@@ -91,15 +91,22 @@ class KVService:
         """A worker (re)joins. What the daemon still holds under its id belongs to a previous
         life of it (a restarted process, or one that lost track of us): orphaned, adoptable."""
         self.leases.register(Worker(body.worker_id, now, now, body.device, body.pid))
-        self.manager.pricing.register(body.worker_id, body.prefill_profile, body.recompute_profile)
+        self.manager.pricing.register(
+            body.worker_id,
+            body.prefill_profile,
+            body.recompute_profile,
+            body.graph_token_buckets,
+            body.profile_origin,
+        )
         orphaned = self.manager.orphan_worker(body.worker_id, now)
         log.info(
-            "worker %s registered (pid %d, %s, %d prefill and %d recompute points)%s",
+            "worker %s registered (pid %d, %s, %d prefill and %d recompute points, %s)%s",
             body.worker_id,
             body.pid,
             body.device,
             len(body.prefill_profile),
             len(body.recompute_profile),
+            body.profile_origin.source if body.profile_origin else "profile of unknown origin",
             f"; {len(orphaned)} requests of its previous registration orphaned" if orphaned else "",
         )
         return p.Registered(

@@ -65,6 +65,7 @@ def build_stats(service: KVService, top: int, now: float) -> p.Stats:
                 m.pricing.recompute_profiles.get(w.worker_id, []),
                 w.timeline,
                 now - w.timeline_at if w.timeline is not None else 0.0,
+                m.pricing.origins.get(w.worker_id),
             )
             for w in service.leases.workers.values()
         ],

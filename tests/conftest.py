@@ -25,6 +25,21 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ROOT = Path(__file__).resolve().parent.parent
+PROFILE_CACHE_ENV = "PAGEDSERVE_PROFILE_CACHE"  # compute.profile_cache.CACHE_ENV (no torch here)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def profile_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The workers that tests start keep their cost-model profiles here, not in ~/.cache: one
+    measurement per model and settings in a test run, none left behind."""
+    directory = tmp_path_factory.mktemp("profiles")
+    before = os.environ.get(PROFILE_CACHE_ENV)
+    os.environ[PROFILE_CACHE_ENV] = str(directory)
+    yield directory
+    if before is None:
+        del os.environ[PROFILE_CACHE_ENV]
+    else:
+        os.environ[PROFILE_CACHE_ENV] = before
 
 
 @pytest.fixture(scope="session")

@@ -65,8 +65,11 @@ def test_admin_pages(stack: Stack) -> None:
         "recompute_profiles",
         "decisions",
         "preemptions",
+        "profile_origins",
     }
     assert cost["calibration"]["swap_out_gbps"] > 0  # the kvstore calibrated at startup
+    [origin] = cost["profile_origins"].values()  # timed at its start-up, or an earlier one's
+    assert origin["source"] in ("measured", "cached") and origin["measured_at"] > 0, origin
     assert all(len(points) >= 2 for points in cost["prefill_profiles"].values())
     [recompute] = cost["recompute_profiles"].values()  # (tokens, context, seconds) per forward
     assert (

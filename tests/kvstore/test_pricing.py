@@ -137,3 +137,20 @@ def test_the_manager_prices_with_the_request_context_suffix_and_busy_worker() ->
     m.record_transfer(plan, 0.0, 0.002)
     assert list(m.pricing.loads.moves[True]) == [(3, 0.002)] and False not in m.pricing.loads.moves
     m.check_integrity()
+
+
+def test_the_service_hands_the_workers_graph_sizes_to_the_prices() -> None:
+    """``Register.graph_token_buckets`` reach ``Pricing``: a recompute is priced padded to the
+    worker's graphs (the real service over real CPU pools)."""
+    from contracts.model_config import KVGeometry
+    from kvstore import protocol as p
+    from kvstore.device import DevicePools
+    from kvstore.service import KVService
+
+    pools = DevicePools(KVGeometry(2, 2, 16, "float32"), 16, 16, 8, "cpu")
+    try:
+        service = KVService(KVCacheManager(16, 8, 16), pools, 60, 60)
+        service.handle(p.Register("w", PREFILL, "cpu", 1, profile(BUCKETS), BUCKETS))
+        assert service.manager.pricing.graph_buckets["w"] == BUCKETS
+    finally:
+        pools.close()

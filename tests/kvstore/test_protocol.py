@@ -17,6 +17,8 @@ SAMPLES: list[msgspec.Struct] = [
     POOL,
     p.PoolInfo("shm", [4, 2, 2, 16, 2, 64], "float32", 16, shm_path="/dev/shm/x"),
     p.Register("w1", [(16, 0.001), (1024, 0.02)], "cuda:0", 42),
+    p.Register("w1", [], "cpu", 1, [], [], p.ProfileOrigin("cached", 1.7e9, 8.5, 2)),
+    p.ProfileOrigin("prior", 0.0, 0.0, 0),
     p.Heartbeat("w1"),
     p.Unregister("w1"),
     p.AdmitItem("r1", [1, 2, 3], b"salt", adopt=True),
@@ -61,6 +63,9 @@ SAMPLES: list[msgspec.Struct] = [
     p.Calibration(1024, 1e-5, 1e-6, 1e-5, 1e-6, [(1, 1e-5, 2e-5)]),
     p.StepTimeline(3, 20, 0.01, {"launch": 0.002, "process": 0.001}, 2),
     p.WorkerRow("w1", "cuda:0", 42, 0.5, 3, [(16, 0.001)], [(16, 0, 0.001)], None, 0.0),
+    p.WorkerRow(
+        "w3", "cpu", 8, 0.1, 0, [], [], None, 0.0, p.ProfileOrigin("measured", 1.0, 2.0, 0)
+    ),
     p.WorkerRow("w2", "cpu", 7, 0.1, 0, [], [], p.StepTimeline(10, 80, 0.5, {"launch": 0.1}), 0.4),
     p.Stats(
         16,

@@ -203,6 +203,16 @@
     return canvas;
   }
 
+  // Which cost-model profile the kvstore prices this worker's recomputes by.
+  function profileOrigin(o) {
+    if (!o) return "–";
+    const cut = o.skipped ? `, ${o.skipped} points past its budget extrapolated` : "";
+    const when = new Date(o.measured_at * 1000).toLocaleString();
+    if (o.source === "measured") return `measured at start-up (${o.measure_s.toFixed(1)} s${cut})`;
+    if (o.source === "cached") return `from cache, measured ${when} (${o.measure_s.toFixed(1)} s${cut})`;
+    return "prior: none measured (swap and load preferred)";
+  }
+
   // One row per worker, and under it its step timeline (steptimeline.js), which stays the same
   // element from poll to poll (the bars are redrawn only when new totals came).
   function showWorkers(workers, profiles) {
@@ -234,7 +244,7 @@
       main.dataset.worker = w.worker_id;
       const cells = [
         [w.worker_id, "mono"], [w.device], [w.pid, "num"], [`${w.idle_s.toFixed(1)} s ago`, "num"],
-        [n(w.requests), "num"], [spark(h)],
+        [n(w.requests), "num"], [spark(h)], [profileOrigin(w.profile_origin)],
         [(profiles[w.worker_id] || []).slice(0, 6).map(([t, s]) => `${n(t)}→${ms(s)}`).join("  ") || "–"],
       ];
       for (const [value, cls] of cells) {
