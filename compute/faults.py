@@ -81,18 +81,25 @@ class Faults:
         try:
             yield
         except Exception as err:
-            if isinstance(err, self._passthrough) or is_device_fault(err):
-                raise
-            if req_id in self._failed:  # its first fault is the one to tell
-                return
-            if isinstance(err, RequestError):
-                log.warning("request %s refused while %s: %s", req_id, stage, err)
-                self._failed[req_id] = Fault(req_id, stage, str(err), err.code)
-                return
-            log.exception("request %s failed while %s; the others go on", req_id, stage)
-            where = traceback.extract_tb(err.__traceback__)[-1].name
-            message = f"the worker failed while {stage} ({type(err).__name__} in {where}: {err})"
-            self._failed[req_id] = Fault(req_id, stage, message, "worker_error")
+            self.record(req_id, stage, err)
+
+    def record(self, req_id: str, stage: str, err: Exception) -> None:
+        """``err`` was raised on behalf of request ``req_id`` while ``stage``: marks the
+        request failed, or raises ``err`` again if it is not the request's (a device fault, a
+        ``passthrough`` one). For hot loops, where a ``try`` costs nothing and a ``with`` does:
+        ``except Exception as err: faults.record(...)``."""
+        if isinstance(err, self._passthrough) or is_device_fault(err):
+            raise err
+        if req_id in self._failed:  # its first fault is the one to tell
+            return
+        if isinstance(err, RequestError):
+            log.warning("request %s refused while %s: %s", req_id, stage, err)
+            self._failed[req_id] = Fault(req_id, stage, str(err), err.code)
+            return
+        log.error("request %s failed while %s; the others go on", req_id, stage, exc_info=err)
+        where = traceback.extract_tb(err.__traceback__)[-1].name
+        message = f"the worker failed while {stage} ({type(err).__name__} in {where}: {err})"
+        self._failed[req_id] = Fault(req_id, stage, message, "worker_error")
 
     def failed(self, req_id: str) -> bool:
         """Whether ``req_id`` failed (the rest of its work in this step is skipped)."""

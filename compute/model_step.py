@@ -189,8 +189,10 @@ class ModelStep:
             made: list[tuple[Row, RowState, ProcessedRow | None]] = []
             req_id = active.record.req_id
             if not self.faults.failed(req_id):
-                with self.faults.guard(req_id, "preparing its sampling"):
+                try:
                     made = self._rows(i, chunk, active, branch, len(rows))
+                except Exception as err:
+                    self.faults.record(req_id, "preparing its sampling", err)
             if made:
                 row_of[seq.seq_id] = len(rows)
             for row, state, processed_row in made:
@@ -333,8 +335,10 @@ class ModelStep:
         prompt = launched.prompt
         if prompt is not None:  # before the first records, which carry them
             for i, collector in enumerate(prompt.owners):
-                with self.faults.guard(collector.record.req_id, "storing its prompt logprobs"):
+                try:
                     prompt.store(i)
+                except Exception as err:
+                    self.faults.record(collector.record.req_id, "storing its prompt logprobs", err)
         device_s = launched.device_ms() / 1e3
         self.device_s += device_s
         self.by_path.add(launched.path, device_s, launched.num_tokens)
@@ -357,8 +361,10 @@ class ModelStep:
         for i, row, token in live:
             req_id = row.active.record.req_id
             if not self.faults.failed(req_id):
-                with self.faults.guard(req_id, "processing its token"):
+                try:
                     records.append(self._take(row, token, launched.logprobs, i, frees))
+                except Exception as err:
+                    self.faults.record(req_id, "processing its token", err)
         searches: dict[str, Active] = {}
         for i in launched.beams:
             seq = launched.chunks[i].seq
