@@ -127,6 +127,10 @@ class BlockPool:
     def is_copying(self, block: int) -> bool:
         return block in self._copying
 
+    @property
+    def num_copying(self) -> int:
+        return len(self._copying)
+
     def mark_cached(self, block: int) -> None:
         """The block's content is now registered in the prefix index (the block must be used)."""
         if self.ref_counts[block] == 0:

@@ -40,8 +40,10 @@ def register_computed(store: BlockStore, request: Request, block_size: int) -> N
 def trusted_blocks(store: BlockStore, request: Request) -> int:
     """How many of the request's leading GPU blocks hold what was computed into them: all but
     those from the first whose copy-on-write copy the worker has not confirmed."""
-    table = request.block_ids
-    return next((i for i, block in enumerate(table) if store.pool.is_copying(block)), len(table))
+    table, pool = request.block_ids, store.pool
+    if not pool.num_copying:  # the common case: no copy awaits a confirmation
+        return len(table)
+    return next((i for i, block in enumerate(table) if pool.is_copying(block)), len(table))
 
 
 def reopen_last_token(store: BlockStore, request: Request, block_size: int) -> None:
