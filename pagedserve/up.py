@@ -299,7 +299,8 @@ def _banner(config: UpConfig, url: str, redis_url: str, token: str, ids: list[st
 
     model = GatewayConfig(model=config.model).model_name()
     question = '{"role": "user", "content": "What is the capital of France?"}'
-    body = f'{{"model": "{model}", "messages": [{question}], "max_tokens": 32, "stream": true}}'
+    body = f'{{"model": "{model}", "messages": [{question}], "max_tokens": 32, "temperature": 0'
+    body += ', "stream": true}'  # greedy: a small model's sampled text wanders (temperature 1)
     redis_dir = Path(config.redis_dir).absolute()
     redis_note = "external, not restarted" if os.environ.get("REDIS_URL") else f"in {redis_dir}"
     return (
