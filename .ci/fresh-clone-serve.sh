@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # `make serve` from a fresh clone brings up a working server: clone, `make serve` (creates .venv,
-# installs, starts Redis, the kvstore, a worker and the gateway), run the curl command it prints
-# (one streamed completion), then Ctrl-C (SIGINT to its process group, as a terminal sends it)
-# and check that everything stopped.
+# installs, converts the default model, SmolLM2-135M-Instruct, into a checkpoint unless the cache
+# has it, starts Redis, the kvstore, a worker and the gateway), run the curl command it prints
+# (one streamed chat completion), then Ctrl-C (SIGINT to its process group, as a terminal sends
+# it) and check that everything stopped. Its phases' times are printed at the end.
 #
 #   .ci/fresh-clone-serve.sh [--working-tree] [SOURCE]
 #
@@ -35,6 +36,7 @@ if [ "$overlay" = 1 ]; then
 fi
 port="$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
 
+started=$SECONDS
 # Its own process group (setsid) with SIGINT at its default (a non-interactive shell would
 # start a background job with SIGINT ignored), so `kill -INT -- -PID` is a terminal's Ctrl-C.
 cd "$dest"
@@ -51,14 +53,20 @@ for _ in $(seq 1 1800); do
   sleep 1
 done
 grep -q "pagedserve is up" "$log" || { tail -50 "$log"; echo "not up after 30 min" >&2; exit 1; }
+up_after=$((SECONDS - started))
 grep -A2 "pagedserve is up" "$log"
 
 example="$(grep '^try: curl' "$log" | head -1 | sed 's/^try: //')"
 echo "+ $example"
 out="$(eval "$example")"
+answered_after=$((SECONDS - started))
 echo "$out" | head -3
+echo "answer: $(echo "$out" | python3 -c '
+import json, sys
+events = [json.loads(l[6:]) for l in sys.stdin if l.startswith("data: {")]
+print("".join((c.get("delta") or {}).get("content") or "" for e in events for c in e.get("choices", [])))')"
 echo "$out" | grep -q '^data: \[DONE\]' || { echo "no [DONE] in the stream" >&2; exit 1; }
-# length, or stop: tiny samples its EOS at times
+# length, or stop: the model ended its answer
 echo "$out" | grep -Eq '"finish_reason":"(length|stop)"' || {
   echo "$out" | tail -6; echo "no finished choice" >&2; exit 1; }
 
@@ -68,3 +76,4 @@ if kill -0 "$pid" 2>/dev/null; then tail -30 "$log"; echo "still running after C
 grep -q "gateway stopped" "$log" && grep -q "kvstore stopped" "$log" || {
   tail -30 "$log"; echo "not everything stopped" >&2; exit 1; }
 echo "OK: make serve from a fresh clone served a streamed completion and stopped on Ctrl-C"
+echo "make serve: up after ${up_after} s, answered after ${answered_after} s (install included)"

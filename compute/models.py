@@ -1,7 +1,8 @@
 """Model loading for compute workers: ``tiny`` (random weights, byte tokenizer) or a local HF
-checkpoint directory. Every model is loaded with the paged attention function
-(``attn_implementation="paged"``, see ``compute.attention``); fp16/bf16 models on CUDA also get
-fused RMSNorm, attention and MLP forwards (``compute.fused``).
+checkpoint directory (``smollm2`` and GGUF files resolve to one: ``contracts.checkpoints``).
+Every model is loaded with the paged attention function (``attn_implementation="paged"``, see
+``compute.attention``); fp16/bf16 models on CUDA also get fused RMSNorm, attention and MLP
+forwards (``compute.fused``).
 
 Tokenizers (the byte tokenizer of ``tiny``, or the checkpoint's) come from
 ``contracts.tokenizer``, the one implementation the gateway uses too.
@@ -24,6 +25,7 @@ from transformers import (
 
 from compute.attention import ATTN_NAME
 from compute.fused import fuse_layers
+from contracts.checkpoints import resolve_model
 from contracts.model_config import TINY, resolve_dtype, tiny_config
 from contracts.tokenizer import BOS, EOS, PAD, byte_tokenizer, load_tokenizer
 
@@ -87,11 +89,13 @@ def _torch_dtype(config: Any, dtype: str, device: str) -> torch.dtype:
 def load_model(
     model: str, dtype: str, device: str
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Loads ``model`` (``tiny`` or a local checkpoint directory) in eval mode on ``device`` with
-        paged attention. ``dtype``: float32/float16/bfloat16 or ``auto`` (``resolve_dtype``: the
-    config's, fp32 if none, bf16 on CUDA instead of fp32).
-        Nothing is downloaded (``local_files_only=True``)."""
+    """Loads ``model`` (``tiny``, a local checkpoint directory, ``smollm2`` or a GGUF file: the
+    checkpoint ``resolve_model`` converts it into) in eval mode on ``device`` with paged
+    attention. ``dtype``: float32/float16/bfloat16 or ``auto`` (``resolve_dtype``: the config's,
+    fp32 if none, bf16 on CUDA instead of fp32). Nothing is downloaded
+    (``local_files_only=True``)."""
     started = time.perf_counter()
+    model = resolve_model(model)
     if model == TINY:
         config = tiny_config()
         torch_dtype = _torch_dtype(config, dtype, device)

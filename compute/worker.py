@@ -15,6 +15,7 @@ import redis
 
 from compute.scheduler import SchedulerConfig
 from contracts import queue_keys
+from contracts.checkpoints import MODEL_HELP
 from contracts.endpoints import DEFAULT_ENDPOINT
 from contracts.heap import tune_gc_for_serving
 
@@ -33,10 +34,7 @@ log = logging.getLogger("pagedserve.compute")
 class ComputeConfig:
     model: str = field(
         default="tiny",
-        metadata={
-            "help": "local Hugging Face checkpoint directory, or 'tiny' (random weights, byte "
-            "tokenizer); must match the kvstore's --model"
-        },
+        metadata={"help": f"{MODEL_HELP}; must match the kvstore's --model"},
     )
     dtype: str = field(
         default="auto",

@@ -1,4 +1,5 @@
-"""Model configs: a local Hugging Face directory, or ``tiny`` (random weights, byte tokenizer).
+"""Model configs: a local Hugging Face directory (a GGUF file or ``smollm2`` resolve to one:
+``contracts.checkpoints``), or ``tiny`` (random weights, byte tokenizer).
 
 Torch-free apart from what ``transformers`` imports lazily; the kvstore reads the KV geometry
 (layers, KV heads, head dim) from here and compute builds the model from the same config.
@@ -9,7 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-TINY = "tiny"
+from contracts.checkpoints import TINY as TINY
+from contracts.checkpoints import resolve_model
+
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
@@ -51,12 +54,14 @@ def tiny_config() -> Any:
 
 
 def load_config(model: str) -> Any:
-    """The transformers config of ``model`` (``tiny`` or a local checkpoint directory)."""
-    if model == TINY:
+    """The transformers config of ``model``: ``tiny``, a local checkpoint directory, or what
+    ``contracts.checkpoints.resolve_model`` makes one of (``smollm2``, a GGUF file)."""
+    path = resolve_model(model)
+    if path == TINY:
         return tiny_config()
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(model, local_files_only=True)
+    return AutoConfig.from_pretrained(path, local_files_only=True)
 
 
 def resolve_dtype(config: Any, dtype: str, device: str) -> str:

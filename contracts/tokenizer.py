@@ -17,7 +17,7 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from contracts.model_config import TINY
+from contracts.checkpoints import TINY, resolve_model
 
 __all__ = ["BOS", "EOS", "PAD", "byte_tokenizer", "load_tokenizer", "output_decoder"]
 
@@ -56,15 +56,17 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def load_tokenizer(model: str) -> PreTrainedTokenizerBase:
-    """The tokenizer of ``model``: ``tiny`` or a local checkpoint directory (nothing is
-    downloaded). Raises FileNotFoundError for anything else."""
-    if model == TINY:
+    """The tokenizer of ``model``: ``tiny``, a local checkpoint directory, or what
+    ``contracts.checkpoints.resolve_model`` makes one of (``smollm2``, a GGUF file); nothing is
+    downloaded. Raises FileNotFoundError for anything else."""
+    path = resolve_model(model)
+    if path == TINY:
         return byte_tokenizer()
-    if not Path(model).is_dir():
+    if not Path(path).is_dir():
         raise FileNotFoundError(f"model {model!r} is neither 'tiny' nor a local directory")
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model, local_files_only=True)
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
 def output_decoder(tokenizer: PreTrainedTokenizerBase) -> Callable[[Sequence[int]], str]:

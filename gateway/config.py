@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from contracts.checkpoints import MODEL_HELP
 from contracts.endpoints import DEFAULT_ENDPOINT
 
 ADMIN_TOKEN_ENV = "PAGEDSERVE_ADMIN_TOKEN"
@@ -21,15 +22,15 @@ class GatewayConfig:
     model: str = field(
         default="tiny",
         metadata={
-            "help": "local Hugging Face checkpoint directory or 'tiny': the tokenizer, chat "
-            "template and context length (no weights are loaded); must match the workers'"
+            "help": f"{MODEL_HELP}: its tokenizer, chat template and context length (no "
+            "weights are loaded); must match the workers'"
         },
     )
     served_model_name: str = field(
         default="",
         metadata={
-            "help": "the model name clients send and /v1/models lists; empty: 'tiny' or the "
-            "checkpoint directory's basename"
+            "help": "the model name clients send and /v1/models lists; empty: --model as "
+            "given ('tiny', 'smollm2'), or the basename of its directory or .gguf file"
         },
     )
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
@@ -135,7 +136,8 @@ class GatewayConfig:
         return self.api_key or env.get(API_KEY_ENV) or None
 
     def model_name(self) -> str:
-        """The served model name: the flag, else 'tiny' or the directory's basename."""
+        """The served model name: the flag, else --model's basename (less a .gguf suffix)."""
         if self.served_model_name:
             return self.served_model_name
-        return self.model.rstrip("/").rsplit("/", 1)[-1] or self.model
+        name = self.model.rstrip("/").rsplit("/", 1)[-1] or self.model
+        return name[: -len(".gguf")] if name.lower().endswith(".gguf") else name

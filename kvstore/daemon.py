@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import zmq
 
+from contracts.checkpoints import MODEL_HELP
 from contracts.endpoints import DEFAULT_ENDPOINT, TOKEN_ENV, env_token
 from contracts.heap import tune_gc_for_serving
 from kvstore import protocol as p
@@ -47,10 +48,7 @@ REFUSAL_LOG_INTERVAL_S = 10.0
 class KVStoreConfig:
     model: str = field(
         default="tiny",
-        metadata={
-            "help": "local Hugging Face checkpoint directory whose config gives the KV geometry, "
-            "or 'tiny' (the random-weight test model)"
-        },
+        metadata={"help": f"{MODEL_HELP}: its config gives the KV geometry"},
     )
     dtype: str = field(
         default="auto",

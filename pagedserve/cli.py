@@ -5,6 +5,8 @@
 - ``pagedserve gateway``: the HTTP gateway (OpenAI-compatible API, /health, /metrics, /admin/).
 - ``pagedserve up``: the whole stack (an embedded, durable Redis unless REDIS_URL is set, the
   kvstore, the workers, the gateway), supervised (``pagedserve.supervisor``) until Ctrl-C.
+- ``pagedserve convert``: a GGUF model made into a checkpoint ahead of time (each process
+  converts it on first use otherwise).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from gateway.config import ADMIN_TOKEN_ENV, GatewayConfig
 from kvstore.daemon import KVStoreConfig
 from pagedserve.bench import BenchConfig
 from pagedserve.config import T, add_arguments, from_namespace
+from pagedserve.convert import ConvertConfig
 from pagedserve.up import UpConfig, run_up
 
 
@@ -80,6 +83,15 @@ def build_parser() -> argparse.ArgumentParser:
         "seeded), then throughput, TTFT/TPOT/ITL/end-to-end percentiles and goodput.",
     )
     add_arguments(bench, BenchConfig)
+    convert = sub.add_parser(
+        "convert",
+        help="convert a GGUF model into a checkpoint",
+        description="Dequantizes a GGUF --model (a .gguf file, a directory holding one, or "
+        "'smollm2') once into a float32 safetensors checkpoint in the cache directory and "
+        "prints its path; a model converted before is found at once. Every process does this "
+        "on first use (one at a time, under a file lock); `up` does it before it starts them.",
+    )
+    add_arguments(convert, ConvertConfig)
     return parser
 
 
@@ -110,6 +122,10 @@ def main(argv: list[str] | None = None) -> None:
         from pagedserve.bench import run as run_bench
 
         run_bench(config(BenchConfig))
+    elif args.command == "convert":
+        from pagedserve.convert import run_convert
+
+        run_convert(config(ConvertConfig))
     else:
         run_up(config(UpConfig))
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from contracts.checkpoints import MODEL_HELP, SMOLLM2
 from contracts.endpoints import DEFAULT_ENDPOINT
 from gateway.config import ADMIN_TOKEN_ENV, GatewayConfig
 from gateway.metrics import MULTIPROC_ENV
@@ -43,10 +44,8 @@ log = logging.getLogger("pagedserve")
 @dataclass(frozen=True)
 class UpConfig:
     model: str = field(
-        default="tiny",
-        metadata={
-            "help": "local Hugging Face checkpoint directory or 'tiny' (kvstore, workers, gateway)"
-        },
+        default=SMOLLM2,
+        metadata={"help": f"{MODEL_HELP}; converted before the stack starts, if need be"},
     )
     device: str = field(
         default="auto",
@@ -88,7 +87,11 @@ class UpConfig:
         metadata={"help": 'extra flags for `pagedserve gateway`, e.g. "--max-n 16"'},
     )
     startup_timeout_s: float = field(
-        default=300.0, metadata={"help": "how long to wait for every process to become healthy"}
+        default=900.0,
+        metadata={
+            "help": "how long to wait for every process to become healthy (a worker loads its "
+            "model and measures its prefill times first: minutes on a CPU)"
+        },
     )
     restart_backoff_s: float = field(
         default=1.0,
@@ -149,6 +152,9 @@ def run_up(config: UpConfig) -> None:
     if config.gateways < 1:
         raise SystemExit(f"pagedserve up: --gateways must be at least 1, not {config.gateways}")
     _check_port_free(config.host, config.port)
+    from pagedserve.convert import convert_before_start
+
+    convert_before_start(config.model)
     external = os.environ.get("REDIS_URL")
     server: RedisServer | None = None
     if not external:
@@ -292,14 +298,17 @@ def _banner(config: UpConfig, url: str, redis_url: str, token: str, ids: list[st
     from pagedserve.redis_server import redact
 
     model = GatewayConfig(model=config.model).model_name()
-    body = f'{{"model": "{model}", "prompt": "Hello", "max_tokens": 16, "stream": true}}'
+    question = '{"role": "user", "content": "What is the capital of France?"}'
+    body = f'{{"model": "{model}", "messages": [{question}], "max_tokens": 32, "temperature": 0'
+    body += ', "stream": true}'  # greedy: a small model's sampled text wanders (temperature 1)
     redis_dir = Path(config.redis_dir).absolute()
     redis_note = "external, not restarted" if os.environ.get("REDIS_URL") else f"in {redis_dir}"
     return (
         f"pagedserve is up at {url} (redis {redact(redis_url)}, kvstore {config.endpoint}, "
         f"{config.workers} worker(s), {config.gateways} gateway process(es)). Ctrl-C stops it.\n"
         f"admin token ({ADMIN_TOKEN_ENV}): {token}\n"
-        f"try: curl -N {url}/v1/completions -H 'Content-Type: application/json' -d '{body}'\n"
+        f"try: curl -N {url}/v1/chat/completions -H 'Content-Type: application/json' "
+        f"-d '{body}'\n"
         f"supervised: a child that exits is restarted (backoff {config.restart_backoff_s:g} s "
         f"doubling to 30 s, at most {config.max_restarts} times in a row); workers keep their "
         f"ids ({', '.join(ids)}); redis: {redis_note}"

@@ -59,7 +59,10 @@ def stream_one_completion(example: str) -> str:
             if line == "data: [DONE]":
                 done = True
             elif line.startswith("data: "):
-                text += [c["text"] for c in json.loads(line[6:])["choices"]]
+                for choice in json.loads(line[6:])["choices"]:  # completions' or chat's
+                    text.append(
+                        choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+                    )
     assert done
     return "".join(text)
 

@@ -15,7 +15,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator, Coroutine, Iterator
+from collections.abc import AsyncIterator, Coroutine, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -137,21 +137,29 @@ def running_stack(
     kv_memory: str = "0.05GiB",
     *gateway_flags: str,
     model: str = "tiny",
+    healthy_timeout_s: float = 180,
+    kvstore_flags: Sequence[str] = (),
+    compute_flags: Sequence[str] = (),
 ) -> Iterator[Stack]:
     """A whole stack on CPU (the kvstore, one worker, one gateway) on Redis database ``db``,
-    serving ``model`` (``tiny`` or a checkpoint directory, fp32)."""
+    serving ``model`` (``tiny``, a checkpoint directory or a GGUF model, fp32), once healthy
+    (``healthy_timeout_s``: a worker loads its model and measures its prefill times first)."""
     url = redis_url.rsplit("/", 1)[0] + f"/{db}"
     dtype = [] if model == "tiny" else ["--dtype", "float32"]
-    kvstore, endpoint = start_kvstore("--model", model, "--kv-memory", kv_memory, *dtype)
+    kv_flags = ["--model", model, "--kv-memory", kv_memory, *dtype, *kvstore_flags]
+    kvstore, endpoint = start_kvstore(*kv_flags)
     worker_log = open(logs / "worker.log", "wb")  # noqa: SIM115 (open for the stack's life)
     common = ["--model", model, "--redis-url", url, "--kvstore", endpoint]
     worker = spawn_process(
-        "compute", [*common, "--device", "cpu", *dtype], stdout=worker_log, stderr=subprocess.STDOUT
+        "compute",
+        [*common, "--device", "cpu", *dtype, *compute_flags],
+        stdout=worker_log,
+        stderr=subprocess.STDOUT,
     )
     stack = Stack("", url, endpoint, logs, model)
     try:
         with stack.gateway("--max-body-bytes", str(MAX_BODY_BYTES), *gateway_flags) as gateway:
-            wait_healthy(gateway.url, [kvstore, worker, gateway.process], 180)
+            wait_healthy(gateway.url, [kvstore, worker, gateway.process], healthy_timeout_s)
             yield dataclasses.replace(stack, url=gateway.url)
     finally:
         stop_process(worker)
