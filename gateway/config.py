@@ -82,6 +82,14 @@ class GatewayConfig:
     kvstore_timeout_s: float = field(
         default=2.0, metadata={"help": "how long to wait for a kvstore reply"}
     )
+    header_timeout_s: float = field(
+        default=60.0,
+        metadata={
+            "help": "a connection whose request headers are not complete this long after it "
+            "opened, or after its last response ended, is closed: a client that sends its "
+            "headers slowly (slowloris) or an idle keep-alive connection"
+        },
+    )
     shutdown_timeout_s: float = field(
         default=30.0,
         metadata={
