@@ -169,7 +169,8 @@ class Engine:
         self.intake = Intake(
             self.redis,
             self.worker_id,
-            self.claim_idle_ms,
+            # 0: the kvstore's lease, its failure detector (when it lets others adopt the blocks)
+            self.claim_idle_ms or int(reply.lease_timeout_s * 1000),
             self.requests,
             self.model_step.free_later,
         )

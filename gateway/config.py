@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from contracts.endpoints import DEFAULT_ENDPOINT
+from contracts.queue_keys import GATEWAY_TTL_S
+from kvstore.protocol import LEASE_TIMEOUT_S
 
 ADMIN_TOKEN_ENV = "PAGEDSERVE_ADMIN_TOKEN"
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
@@ -73,7 +75,7 @@ class GatewayConfig:
         },
     )
     worker_idle_s: float = field(
-        default=10.0,
+        default=LEASE_TIMEOUT_S,
         metadata={
             "help": "/health counts a worker alive if the kvstore heard from it this recently "
             "(the kvstore's --lease-timeout-s)"
@@ -123,7 +125,7 @@ class GatewayConfig:
         },
     )
     liveness_ttl_s: float = field(
-        default=30.0,
+        default=GATEWAY_TTL_S,
         metadata={
             "help": "the gateway renews its liveness key in Redis every third of this; workers "
             "abort the requests of a gateway whose key expired (it died: nobody would read them)"
