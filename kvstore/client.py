@@ -188,6 +188,8 @@ class KVClient:
         return bool(int(self._monitor.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
 
     def close(self) -> None:
+        if self._sock.closed:
+            return
         self._sock.disable_monitor()
         self._monitor.close()
         self._sock.close()
