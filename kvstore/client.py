@@ -1,10 +1,11 @@
 """A synchronous client of the kvstore daemon (ZeroMQ DEALER). Torch-free.
 
 When the connection closes (the daemon died: its socket closed), the calls unanswered then fail
-at once with ``KVStoreLost``, a ``KVStoreTimeout``, rather than after the timeout; if none was,
-the next call fails so, unsent: the daemon this client spoke to is gone, and what it knew of the
-client with it (a worker registers again). The client watches its socket's disconnections with
-a ZeroMQ socket monitor. ZeroMQ reconnects by itself: later calls wait for the next daemon.
+at once with ``KVStoreLost``, a ``KVStoreTimeout``, rather than after the timeout; if no call
+was unanswered, the next one fails so, without being sent: the daemon this client spoke to is
+gone, and what it knew of the client with it (a worker registers again). The client watches its
+socket's disconnections with a ZeroMQ socket monitor. ZeroMQ reconnects by itself: later calls
+wait for the next daemon.
 """
 
 from __future__ import annotations

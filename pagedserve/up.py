@@ -4,7 +4,8 @@ Starts Redis (an embedded, durable redis-server unless ``REDIS_URL`` is set), th
 compute workers and the gateway, each once the one it needs is ready, prints the banner (URL,
 admin token, a curl example), then supervises them (``pagedserve.supervisor``) until Ctrl-C or
 SIGTERM. ``UpConfig`` is its flags (``pagedserve.cli`` turns it into ``pagedserve up``'s parser),
-``run_up`` runs it.
+``run_up`` runs it. A stack's kvstore socket and Redis directory are named after its gateway port
+(``{port}`` in their defaults), so stacks on two ports of one host need no other flag.
 """
 
 from __future__ import annotations
