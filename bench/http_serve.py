@@ -192,7 +192,6 @@ def pagedserve_up(
     }
     command = [sys.executable, "-m", "pagedserve.cli", "up", "--device", device, "--port"]
     command += [str(port), "--model", model, "--redis-dir", str(redis_dir)]
-    command += ["--endpoint", f"ipc:///tmp/pagedserve-bench-{port}.sock"]  # a kvstore of its own
     if kvstore_args:
         command += [f"--kvstore-args={kvstore_args}"]
     command += ["--gateways", str(gateways), f"--compute-args={' '.join(to_flags(scheduling))}"]

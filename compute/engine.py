@@ -177,7 +177,8 @@ class Engine:
         self.intake = Intake(
             self.redis,
             self.worker_id,
-            self.claim_idle_ms,
+            # 0: the kvstore's lease, its failure detector (when it lets others adopt the blocks)
+            self.claim_idle_ms or int(reply.lease_timeout_s * 1000),
             self.requests,
             self.model_step.free_later,
             self.faults,
@@ -231,8 +232,11 @@ class Engine:
                 self._connect(redeliver=False)
                 return True
             except RECOVERABLE as err:
-                log.warning("still cannot serve (%s): retrying in %.1f s", err, delay)
-                time.sleep(delay)
+                # a kvstore timeout has waited already (and its Register waits on for the next
+                # daemon): no backoff on top of it
+                wait = 0.0 if isinstance(err, KVStoreTimeout) else delay
+                log.warning("still cannot serve (%s): retrying in %.1f s", err, wait)
+                time.sleep(wait)
                 delay = min(2 * delay, RETRY_MAX_S)
         return False
 

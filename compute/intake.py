@@ -25,7 +25,10 @@ from contracts.records import ErrorCode, OutputRecord, RecordError, RequestRecor
 __all__ = ["GATEWAY_MISSING_S", "Intake"]
 
 log = logging.getLogger("pagedserve.compute")
-GATEWAY_MISSING_S = 5.0  # a gateway's liveness key missing this long: the gateway is gone
+# A gateway's liveness key missing this long (after its TTL, queue_keys.GATEWAY_TTL_S): the
+# gateway is gone. A live gateway whose key a Redis restart lost sets it again within a third of
+# its TTL (at once when it sees Redis back); this worker's clock starts when it reconnected.
+GATEWAY_MISSING_S = 3.0
 
 
 class Intake:
@@ -52,6 +55,9 @@ class Intake:
         self.limits = limits
         self.incoming: list[tuple[str, RequestRecord]] = []  # read by the last Redis job
         self._next_lease_check = 0.0
+        # the entries this worker renewed or started in the last two renewal periods: one of
+        # them that ended since may still be pending (its ack goes out with a later Redis job)
+        self._recent: list[set[str]] = [set(), set()]
         self._missing_since: dict[str, float] = {}  # gateway -> when its key was first missed
 
     def take(self, room: int, accepting: bool, idle: bool, block_ms: int | None) -> None:
@@ -62,22 +68,35 @@ class Intake:
             self._next_lease_check = time.monotonic() + self.claim_idle_ms / 4000
             self.renew_leases()
             if room > 0 and accepting:
+                # XAUTOCLAIM takes this worker's own idle entries too (a step longer than the
+                # lease; a request ended whose ack is on its way): those are not taken over
+                mine = self.held().union(*self._recent)
                 for entry_id, record in queue_worker.claim_stale(
                     self.redis, self.worker_id, self.claim_idle_ms, room
                 ):
-                    room -= self.take_over(entry_id, record)
+                    if entry_id not in mine:
+                        room -= self.take_over(entry_id, record)
         taken, self.incoming = self.incoming, []  # pending for this worker: start them
         if idle and room > 0 and accepting:
             taken += queue_worker.read_requests(self.redis, self.worker_id, room, block_ms)
         for entry_id, record in taken:
+            self._recent[-1].add(entry_id)
             self._enter(entry_id, record, None)
 
+    def held(self) -> set[str]:
+        """The entries this worker holds: its requests' and those read but not started."""
+        return {a.entry_id for a in self.requests.active.values()} | {
+            entry_id for entry_id, _ in self.incoming
+        }
+
     def renew_leases(self) -> None:
-        """Keeps other workers from taking over this one's requests (``queue_worker.touch``);
-        stops working on those another worker took over meanwhile."""
+        """Keeps other workers from taking over this one's requests, started or not
+        (``queue_worker.touch``); drops those another worker took over meanwhile."""
         entries = {a.entry_id: a for a in self.requests.active.values()}
-        lost = set(entries) - set(queue_worker.touch(self.redis, self.worker_id, list(entries)))
-        for entry_id in lost:
+        owned = set(queue_worker.touch(self.redis, self.worker_id, list(self.held())))
+        self._recent = [self._recent[-1], owned]
+        self.incoming = [(entry_id, r) for entry_id, r in self.incoming if entry_id in owned]
+        for entry_id in set(entries) - owned:
             log.warning(
                 "request %s was taken over by another worker", entries[entry_id].record.req_id
             )
@@ -97,6 +116,7 @@ class Intake:
             return 0
         if record.req_id in self.requests.active:  # this worker's own: its claim had lapsed
             return 0
+        self._recent[-1].add(entry_id)
         counts = {i: len(seq.token_ids) for i, seq in streamed.sequences.items()}
         log.info("taking over %s after %s streamed tokens per branch", record.req_id, counts)
         return self._enter(entry_id, record, streamed)

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING
 import redis
 
 from compute.scheduler import SchedulerConfig
-from contracts import queue_keys
 from contracts.checkpoints import MODEL_HELP
 from contracts.endpoints import DEFAULT_ENDPOINT
 from contracts.heap import tune_gc_for_serving
@@ -55,10 +54,12 @@ class ComputeConfig:
         metadata={"help": "Redis holding the request queue and output streams"},
     )
     claim_idle_ms: int = field(
-        default=queue_keys.CLAIM_IDLE_MS,
+        default=0,
         metadata={
             "help": "a request whose worker has not renewed its claim this long is taken "
-            "over by another worker (live workers renew every quarter of it)"
+            "over by another worker (live workers renew every quarter of it); 0: the kvstore's "
+            "--lease-timeout-s, when it declares the worker dead and lets others adopt its "
+            "requests' blocks"
         },
     )
     worker_id: str = field(

@@ -3,8 +3,10 @@ talks to it (the daemon, the workers, the gateway, ``up``, the probes). Torch-fr
 
 The default endpoint is a socket file in a directory only this user can open:
 ``ipc://$XDG_RUNTIME_DIR/pagedserve/kvstore.sock``, or ``ipc://<tmp>/pagedserve-<uid>/kvstore.sock``
-without ``XDG_RUNTIME_DIR``; every process computes it from its own environment. The daemon's
-checks before it binds are in ``kvstore.security``.
+without ``XDG_RUNTIME_DIR``; every process computes it from its own environment. `pagedserve up`
+gives each stack its own socket beside it, named after the stack's gateway port
+(``stack_endpoint``), so stacks on two ports of one host need no flags. The daemon's checks
+before it binds are in ``kvstore.security``.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Mapping
 
 TOKEN_ENV = "PAGEDSERVE_KVSTORE_TOKEN"
 SOCKET_NAME = "kvstore.sock"
+PORT_FIELD = "{port}"  # in `pagedserve up`'s --endpoint and --redis-dir: the gateway's port
 
 
 def env_token(environ: Mapping[str, str] | None = None) -> str:
@@ -43,4 +46,21 @@ def default_endpoint(
     return f"ipc://{os.path.join(runtime_dir(environ, uid, tmpdir), SOCKET_NAME)}"
 
 
+def stack_endpoint(
+    environ: Mapping[str, str] | None = None, uid: int | None = None, tmpdir: str | None = None
+) -> str:
+    """``ipc://<runtime_dir(...)>/kvstore-{port}.sock``: the default kvstore endpoint of
+    `pagedserve up`, a template whose ``{port}`` (``PORT_FIELD``) it replaces with its gateway's
+    port (``for_port``)."""
+    name = f"kvstore-{PORT_FIELD}.sock"
+    return f"ipc://{os.path.join(runtime_dir(environ, uid, tmpdir), name)}"
+
+
+def for_port(template: str, port: int) -> str:
+    """``template`` with every ``{port}`` replaced by ``port`` (no other substitution: a path
+    may hold other braces)."""
+    return template.replace(PORT_FIELD, str(port))
+
+
 DEFAULT_ENDPOINT = default_endpoint()
+STACK_ENDPOINT = stack_endpoint()

@@ -75,7 +75,10 @@ CLAIM_IDLE_MS = 30_000  # a pending request untouched this long belongs to a dea
 MAX_DELIVERIES = 2
 STREAM_READ_COUNT = 256  # entries per XREAD in stream_output
 WAKE_TTL_S = 3600  # a wake stream outlives its reader by at most this
-GATEWAY_TTL_S = 30  # a gateway's liveness key lives this long unless renewed
+# A gateway's liveness key lives this long unless renewed; gateways renew it every third of it,
+# so a live one may miss two renewals. Workers end a gateway's requests once its key has been
+# missing for compute.intake.GATEWAY_MISSING_S more (a Redis restart may lose a live one's key).
+GATEWAY_TTL_S = 6.0
 
 
 class Checked(NamedTuple):

@@ -187,7 +187,14 @@ class PortInUse(Exception):
 async def serve(app: web.Application, config: GatewayConfig) -> None:
     """Serves until SIGINT/SIGTERM, then drains: the listening socket closes, requests in flight
     get ``--shutdown-timeout-s`` (once, exactly), the rest are cut with an error."""
-    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0)
+    # aiohttp's keep-alive timer runs from a connection's opening and from the end of each
+    # response until a request's headers are complete: a header-read deadline
+    runner = web.AppRunner(
+        app,
+        handler_cancellation=True,
+        shutdown_timeout=1.0,
+        keepalive_timeout=config.header_timeout_s,
+    )
     await runner.setup()
     site = web.TCPSite(
         runner, config.host, config.port, backlog=2048, reuse_port=config.reuse_port or None

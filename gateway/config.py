@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 from contracts.checkpoints import MODEL_HELP
 from contracts.endpoints import DEFAULT_ENDPOINT
+from contracts.queue_keys import GATEWAY_TTL_S
+from kvstore.protocol import LEASE_TIMEOUT_S
 
 ADMIN_TOKEN_ENV = "PAGEDSERVE_ADMIN_TOKEN"
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
@@ -74,7 +76,7 @@ class GatewayConfig:
         },
     )
     worker_idle_s: float = field(
-        default=10.0,
+        default=LEASE_TIMEOUT_S,
         metadata={
             "help": "/health counts a worker alive if the kvstore heard from it this recently "
             "(the kvstore's --lease-timeout-s)"
@@ -82,6 +84,14 @@ class GatewayConfig:
     )
     kvstore_timeout_s: float = field(
         default=2.0, metadata={"help": "how long to wait for a kvstore reply"}
+    )
+    header_timeout_s: float = field(
+        default=60.0,
+        metadata={
+            "help": "a connection whose request headers are not complete this long after it "
+            "opened, or after its last response ended, is closed: a client that sends its "
+            "headers slowly (slowloris) or an idle keep-alive connection"
+        },
     )
     shutdown_timeout_s: float = field(
         default=30.0,
@@ -116,7 +126,7 @@ class GatewayConfig:
         },
     )
     liveness_ttl_s: float = field(
-        default=30.0,
+        default=GATEWAY_TTL_S,
         metadata={
             "help": "the gateway renews its liveness key in Redis every third of this; workers "
             "abort the requests of a gateway whose key expired (it died: nobody would read them)"

@@ -108,9 +108,16 @@ class Limits:
                 "context_length_exceeded",
             )
         if requested > kv_room:
+            assert self.capacity is not None
+            pool = self.capacity.blocks * self.capacity.block_size
+            how = (
+                f": {pool} less the prompt and the {LOOKAHEAD_SLOTS} lookahead slots"
+                if self.beam_width == 1
+                else ""
+            )
             raise bad_request(
                 f"{self._capacity_text()}; you requested {requested} {param} after "
-                f"{prompt_len} prompt tokens (at most {kv_room} fit)",
+                f"{prompt_len} prompt tokens (at most {kv_room} fit{how})",
                 param,
                 "context_length_exceeded",
             )
@@ -122,5 +129,7 @@ class Limits:
         beams = f" ({self.beam_width} beams held at once)" if self.beam_width > 1 else ""
         return (
             f"the KV cache holds at most {c.blocks} blocks of {c.block_size} tokens "
-            f"({c.blocks * c.block_size} tokens) for one request{beams}"
+            f"({c.blocks * c.block_size} tokens) for one request{beams}, of which each sequence "
+            f"keeps {LOOKAHEAD_SLOTS} lookahead slots free past its last token (for the tokens "
+            "the worker samples ahead)"
         )

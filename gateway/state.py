@@ -1,10 +1,11 @@
 """What every handler of one gateway app shares: config, model, clients, metrics, and the
 requests in flight (for a shutdown that drains them).
 
-Background work, on the app's loop: the output router (``gateway.router``) and the
-housekeeping loop, which renews this gateway's liveness key in Redis (workers abort the requests
-of a gateway whose key expired) and refreshes what the kvstore can hold (``kv_capacity``, the
-admission check of ``gateway.prepare``).
+Background work, on the app's loop: the output router (``gateway.router``), the liveness loop,
+which renews this gateway's liveness key in Redis every third of its TTL (workers abort the
+requests of a gateway whose key expired), on a clock of its own, and the housekeeping loop,
+which refreshes what the kvstore can hold (``kv_capacity``, the admission check of
+``gateway.prepare``).
 """
 
 from __future__ import annotations
@@ -101,9 +102,12 @@ class AppState:
         self._executor = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="prepare")
         self._idle.set()
         await self._renew()  # before any request can name this gateway
+        await self._read_capacity()
         reader = asyncio.create_task(self._router.run(), name="output-router")
+        liveness = asyncio.create_task(self._liveness(), name="liveness")
         housekeeping = asyncio.create_task(self._housekeeping(), name="housekeeping")
         yield
+        liveness.cancel()
         housekeeping.cancel()
         await self._router.stop(reader)
         with contextlib.suppress(redis.RedisError):
@@ -114,21 +118,36 @@ class AppState:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ background
-    async def _housekeeping(self) -> None:
-        interval = min(self.config.liveness_ttl_s / 3, CAPACITY_REFRESH_S)
+    async def _liveness(self) -> None:
+        """Renews the liveness key every third of its TTL, at a fixed rate: a live gateway's
+        key survives two missed renewals, and no other work (a kvstore call that waits for
+        its timeout) delays them."""
+        loop = asyncio.get_running_loop()
+        interval = self.config.liveness_ttl_s / 3
+        due = loop.time()
         while True:
-            await asyncio.sleep(interval)
+            due = max(due + interval, loop.time())
+            await asyncio.sleep(due - loop.time())
             await self._renew()
 
+    async def _housekeeping(self) -> None:
+        while True:
+            await asyncio.sleep(CAPACITY_REFRESH_S)
+            await self._read_capacity()
+
     async def _renew(self) -> None:
-        """Renews the liveness key and reads the kvstore's capacity; either may fail (Redis or
-        the kvstore away): it is tried again next time."""
+        """Renews the liveness key; when Redis is away it is tried again next time (and when
+        the output router sees Redis back)."""
         try:
             await queue_gateway.renew_gateway(
                 self.redis, self.gateway_id, self.config.liveness_ttl_s
             )
         except redis.RedisError as err:
             log.warning("cannot renew the gateway's liveness in Redis: %s", err)
+
+    async def _read_capacity(self) -> None:
+        """Reads what the kvstore can hold for one request; when the kvstore is away it is
+        tried again next time."""
         try:
             stats = await self.kv.stats(0)
             self.kv_capacity = KVCapacity(stats.admission_limit_blocks, stats.block_size)

@@ -1,4 +1,12 @@
-"""A synchronous client of the kvstore daemon (ZeroMQ DEALER). Torch-free."""
+"""A synchronous client of the kvstore daemon (ZeroMQ DEALER). Torch-free.
+
+When the connection closes (the daemon died: its socket closed), the calls unanswered then fail
+at once with ``KVStoreLost``, a ``KVStoreTimeout``, rather than after the timeout; if no call
+was unanswered, the next one fails so, without being sent: the daemon this client spoke to is
+gone, and what it knew of the client with it (a worker registers again). The client watches its
+socket's disconnections with a ZeroMQ socket monitor. ZeroMQ reconnects by itself: later calls
+wait for the next daemon.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +15,7 @@ import time
 from typing import overload
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from contracts.endpoints import env_token
 from kvstore import protocol as p
@@ -22,6 +31,10 @@ class KVStoreError(Exception):
 
 class KVStoreTimeout(Exception):
     """No reply within the timeout (the daemon is down or overloaded)."""
+
+
+class KVStoreLost(KVStoreTimeout):
+    """The connection the call went out on closed before its reply came: none will come."""
 
 
 def expect_reply(body: p.Request, reply: p.ReplyBody) -> p.ReplyBody:
@@ -57,9 +70,15 @@ class KVClient:
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._sock.connect(endpoint)
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
         self._ids = itertools.count(1)
         self._unanswered: set[int] = set()  # sent, their reply not taken yet
+        self._lost: set[int] = set()  # unanswered when their connection closed
+        self._lose_next = False  # the connection closed while no call was unanswered
         self._kept: dict[int, p.Reply] = {}  # replies that came while another was awaited
 
     @overload
@@ -87,8 +106,14 @@ class KVClient:
         """Sends ``body`` without waiting; returns the call id to pass to ``receive`` (or to
         ``forget``). The caller may do other work and make other calls meanwhile."""
         call_id = next(self._ids)
-        self._sock.send(p.encode(p.Call(p.PROTOCOL_VERSION, call_id, body, self._token)))
+        if self._monitor_ready():
+            self._take_disconnects()
         self._unanswered.add(call_id)
+        if self._lose_next:  # its daemon is gone: ``receive`` raises KVStoreLost
+            self._lose_next = False
+            self._lost.add(call_id)
+            return call_id
+        self._sock.send(p.encode(p.Call(p.PROTOCOL_VERSION, call_id, body, self._token)))
         return call_id
 
     def receive(self, body: p.Request, call_id: int) -> p.ReplyBody:
@@ -98,6 +123,7 @@ class KVClient:
     def forget(self, call_id: int) -> None:
         """The reply to ``call_id`` will not be received: it is skipped when it comes."""
         self._unanswered.discard(call_id)
+        self._lost.discard(call_id)
         self._kept.pop(call_id, None)
 
     def call_raw(self, *frames: bytes, call_id: int | None = None) -> p.Reply:
@@ -114,16 +140,19 @@ class KVClient:
             return self._kept.pop(call_id)
         try:
             while True:
-                reply = p.decode_reply(self._receive())
+                reply = p.decode_reply(self._receive(call_id))
                 if call_id is None or reply.call_id in (call_id, 0):
                     return reply
                 if reply.call_id in self._unanswered:
                     self._kept[reply.call_id] = reply
         finally:
-            if call_id is not None:
-                self._unanswered.discard(call_id)  # answered, or given up after a timeout
+            if call_id is not None:  # answered, or given up after a timeout or a loss
+                self._unanswered.discard(call_id)
+                self._lost.discard(call_id)
 
-    def _receive(self) -> bytes:
+    def _receive(self, call_id: int | None) -> bytes:
+        """The next frame; raises ``KVStoreLost`` once ``call_id``'s connection has closed,
+        ``KVStoreTimeout`` after ``timeout_ms`` without a frame."""
         spin_until = time.perf_counter() + self.spin_s
         while time.perf_counter() < spin_until:
             try:
@@ -131,12 +160,39 @@ class KVClient:
                 return frame
             except zmq.Again:
                 continue
-        if not self._sock.poll(self.timeout_ms):
-            raise KVStoreTimeout(f"no reply from {self.endpoint} in {self.timeout_ms} ms")
-        frame = self._sock.recv()
-        return frame
+        deadline = time.monotonic() + self.timeout_ms / 1000
+        while True:
+            lost = call_id in self._lost  # then only what came before the loss is read
+            wait_ms = 0 if lost else max(int((deadline - time.monotonic()) * 1000), 0)
+            ready = dict(self._poller.poll(wait_ms))
+            if self._sock in ready:
+                frame = self._sock.recv()
+                return frame
+            if lost:
+                raise KVStoreLost(f"the connection to {self.endpoint} closed before the reply")
+            if self._monitor in ready:
+                self._take_disconnects()
+            elif time.monotonic() >= deadline:
+                raise KVStoreTimeout(f"no reply from {self.endpoint} in {self.timeout_ms} ms")
+
+    def _take_disconnects(self) -> None:
+        """Reads the monitor's events: at a disconnection, every call unanswered then is lost
+        (its reply, if the daemon sent one, was not received: it never will be); if none was,
+        the next call is."""
+        while self._monitor_ready():
+            event = parse_monitor_message(self._monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self._lost |= self._unanswered
+                self._lose_next = not self._unanswered
+
+    def _monitor_ready(self) -> bool:
+        return bool(int(self._monitor.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
 
     def close(self) -> None:
+        if self._sock.closed:
+            return
+        self._sock.disable_monitor()
+        self._monitor.close()
         self._sock.close()
 
     def __enter__(self) -> KVClient:

@@ -97,8 +97,11 @@ class KVStoreConfig:
         },
     )
     lease_timeout_s: float = field(
-        default=10.0,
-        metadata={"help": "a worker silent this long is dead; its requests become orphans"},
+        default=p.LEASE_TIMEOUT_S,
+        metadata={
+            "help": "a worker silent this long is dead; its requests become orphans, which "
+            "other workers take over (their --claim-idle-ms follows this by default)"
+        },
     )
     orphan_grace_s: float = field(
         default=60.0,

@@ -25,6 +25,11 @@ PROTOCOL_VERSION = 9  # 2: Call.token; the wire's codes and kinds are closed set
 # fed from the device, in a step launched before the reply to its last report is applied).
 LOOKAHEAD_SLOTS = 2
 
+# The daemon's default --lease-timeout-s, its failure detector: a worker silent this long (it
+# sends a Step every engine step, every 100 ms when idle) is dead, and others may adopt its
+# requests; workers take a dead one's requests over in Redis after as long (compute/intake.py).
+LEASE_TIMEOUT_S = 6.0
+
 PoolKind = Literal["shm", "cuda_ipc"]
 ErrorCode = Literal["bad_message", "version", "unauthorized", "unknown_worker", "internal"]
 ItemOp = Literal["cost", "fork", "final", "free", "preempt", "append", "resume", "admit"]

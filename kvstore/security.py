@@ -9,7 +9,7 @@
   other than a socket file (``tcp://``, an abstract ``ipc://@name``) is reachable by others, so the
   daemon binds one only with a token (``check_endpoint``). Before binding an ipc path,
   ``prepare_ipc_path`` makes its directory private and tells a live daemon's socket (refuse) from a
-  dead one's (remove).
+  dead one's (remove); ``endpoint_in_use`` tells the same before anything is started.
 """
 
 from __future__ import annotations
@@ -86,15 +86,9 @@ def prepare_ipc_path(path: str, token: str, default_dir: str | None = None) -> b
         raise EndpointError(f"cannot inspect {path}: {err.strerror or err}") from None
     if not stat.S_ISSOCK(st.st_mode):
         raise EndpointError(f"{path} exists and is not a socket; remove it or use another path")
-    if _accepts_connections(path):
-        if answers_ping(f"ipc://{path}", token, PING_TIMEOUT_S):
-            raise EndpointError(
-                f"another kvstore is serving at ipc://{path}; stop it or use another --endpoint"
-            )
-        raise EndpointError(
-            f"another process is listening at {path} (no answer to a kvstore Ping in "
-            f"{PING_TIMEOUT_S:g} s: a kvstore still starting?); stop it or use another --endpoint"
-        )
+    taken = _listener(path, token)
+    if taken is not None:
+        raise EndpointError(f"{taken}; stop it or use another --endpoint")
     try:
         os.unlink(path)
     except FileNotFoundError:
@@ -102,6 +96,38 @@ def prepare_ipc_path(path: str, token: str, default_dir: str | None = None) -> b
     except OSError as err:
         raise EndpointError(f"cannot remove the stale socket {path}: {err.strerror}") from None
     return True
+
+
+def endpoint_in_use(endpoint: str, token: str) -> str | None:
+    """Why a kvstore could not serve at the ``ipc://`` socket file ``endpoint`` now, in a few
+    words ("another kvstore is serving at ..."), or None: nothing listens there (no file, or a
+    dead daemon's). Other endpoints: None (their bind says it). For `pagedserve up`, which
+    checks before it starts anything."""
+    path = ipc_path(endpoint)
+    if path is None:
+        return None
+    try:
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            return f"{path} exists and is not a socket"
+    except OSError:  # no such file (or no access: the daemon says why)
+        return None
+    try:
+        return _listener(path, token)
+    except EndpointError as err:
+        return str(err)
+
+
+def _listener(path: str, token: str) -> str | None:
+    """What listens on the socket file ``path``: a kvstore (it answers a ``Ping``), another
+    process, or nothing (None)."""
+    if not _accepts_connections(path):
+        return None
+    if answers_ping(f"ipc://{path}", token, PING_TIMEOUT_S):
+        return f"another kvstore is serving at ipc://{path}"
+    return (
+        f"another process is listening at {path} (no answer to a kvstore Ping in "
+        f"{PING_TIMEOUT_S:g} s: a kvstore still starting?)"
+    )
 
 
 def _check_private_dir(path: str) -> None:

@@ -135,9 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument(
         "--max-idle-s",
         type=float,
-        default=10.0,
-        help="longest silence of a live worker, in seconds (default: 10, the kvstore's "
-        "default --lease-timeout-s)",
+        default=p.LEASE_TIMEOUT_S,
+        help="longest silence of a live worker, in seconds (default: "
+        f"{p.LEASE_TIMEOUT_S:g}, the kvstore's default --lease-timeout-s)",
     )
     gateway = sub.add_parser("gateway", help="the gateway's health URL answers 200")
     gateway.add_argument("url", help="e.g. http://127.0.0.1:8000/health")

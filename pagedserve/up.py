@@ -4,7 +4,8 @@ Starts Redis (an embedded, durable redis-server unless ``REDIS_URL`` is set), th
 compute workers and the gateway, each once the one it needs is ready, prints the banner (URL,
 admin token, a curl example), then supervises them (``pagedserve.supervisor``) until Ctrl-C or
 SIGTERM. ``UpConfig`` is its flags (``pagedserve.cli`` turns it into ``pagedserve up``'s parser),
-``run_up`` runs it.
+``run_up`` runs it. A stack's kvstore socket and Redis directory are named after its gateway port
+(``{port}`` in their defaults), so stacks on two ports of one host need no other flag.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from contracts.checkpoints import MODEL_HELP, SMOLLM2
-from contracts.endpoints import DEFAULT_ENDPOINT
+from contracts.endpoints import STACK_ENDPOINT, for_port
 from gateway.config import ADMIN_TOKEN_ENV, GatewayConfig
 from gateway.metrics import MULTIPROC_ENV
 from pagedserve.supervisor import (
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     from pagedserve.redis_server import RedisServer
 
 log = logging.getLogger("pagedserve")
+EARLIER_REDIS_DIR = ".pagedserve/redis"  # every port's, before --redis-dir had {port} in it
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,13 @@ class UpConfig:
     )
     host: str = field(default="127.0.0.1", metadata={"help": "the gateway's listen address"})
     port: int = field(default=8000, metadata={"help": "the gateway's TCP port"})
-    endpoint: str = field(default=DEFAULT_ENDPOINT, metadata={"help": "kvstore endpoint"})
+    endpoint: str = field(
+        default=STACK_ENDPOINT,
+        metadata={
+            "help": "the kvstore's endpoint; {port} stands for --port, so that each stack on "
+            "this host has its own by default"
+        },
+    )
     kvstore_args: str = field(
         default="",
         metadata={
@@ -114,11 +122,11 @@ class UpConfig:
         },
     )
     redis_dir: str = field(
-        default=".pagedserve/redis",
+        default=".pagedserve/redis-{port}",
         metadata={
-            "help": "the embedded Redis's directory (relative to the current one): its "
-            "append-only file (fsync every second), port and log; created mode 0700, never "
-            "deleted, one `up` at a time (ignored with REDIS_URL)"
+            "help": "the embedded Redis's directory (relative to the current one; {port} "
+            "stands for --port): its append-only file (fsync every second), port and log; "
+            "created mode 0700, never deleted, one `up` at a time (ignored with REDIS_URL)"
         },
     )
     redis_port: int = field(
@@ -128,6 +136,14 @@ class UpConfig:
             "(recorded in --redis-dir) if it is free, else a free one"
         },
     )
+
+    def kvstore_endpoint(self) -> str:
+        """``endpoint`` for this stack (``{port}``: the gateway's port)."""
+        return for_port(self.endpoint, self.port)
+
+    def redis_directory(self) -> Path:
+        """``redis_dir`` for this stack (``{port}``: the gateway's port), absolute."""
+        return Path(for_port(self.redis_dir, self.port)).absolute()
 
 
 def run_up(config: UpConfig) -> None:
@@ -152,14 +168,16 @@ def run_up(config: UpConfig) -> None:
     if config.gateways < 1:
         raise SystemExit(f"pagedserve up: --gateways must be at least 1, not {config.gateways}")
     _check_port_free(config.host, config.port)
+    _check_endpoint_free(config.kvstore_endpoint())
     from pagedserve.convert import convert_before_start
 
     convert_before_start(config.model)
     external = os.environ.get("REDIS_URL")
     server: RedisServer | None = None
     if not external:
+        _note_earlier_redis_dir(config)
         try:
-            server = RedisServer.durable_in(config.redis_dir, config.redis_port)
+            server = RedisServer.durable_in(config.redis_directory(), config.redis_port)
         except (RuntimeError, OSError) as err:
             raise SystemExit(f"pagedserve up: redis: {err}") from None
     redis_url = server.url if server is not None else str(external)
@@ -206,6 +224,7 @@ def _start_stack(
     from pagedserve.probe import probe_gateway, probe_kvstore, probe_worker
 
     timeout_s, children = config.startup_timeout_s, child_popen_options()
+    endpoint = config.kvstore_endpoint()
     if server is not None:
         redis_spec = ChildSpec(
             "redis-server", server.spawn, stop_order=3, stop_signal=signal.SIGTERM
@@ -214,13 +233,13 @@ def _start_stack(
         supervisor.wait_until(server.ping, timeout_s, "redis-server")
         log.info("redis at %s, append-only file in %s", redis_url, server.directory)
     shared = ["--model", config.model, "--device", config.device]
-    kv_flags = ["--endpoint", config.endpoint, *shared, *shlex.split(config.kvstore_args)]
+    kv_flags = ["--endpoint", endpoint, *shared, *shlex.split(config.kvstore_args)]
     supervisor.start(
         ChildSpec("kvstore", partial(spawn_process, "kvstore", kv_flags, **children), stop_order=2)
     )
-    kvstore_ready = _ready(partial(probe_kvstore, config.endpoint, 1.0))
+    kvstore_ready = _ready(partial(probe_kvstore, endpoint, 1.0))
     supervisor.wait_until(kvstore_ready, timeout_s, "the kvstore")
-    worker_flags = [*shared, "--kvstore", config.endpoint, "--redis-url", redis_url]
+    worker_flags = [*shared, "--kvstore", endpoint, "--redis-url", redis_url]
     worker_flags += shlex.split(config.compute_args)
     ids = worker_ids(config)
     for worker_id in ids:
@@ -229,7 +248,7 @@ def _start_stack(
         supervisor.start(ChildSpec(f"worker {worker_id}", start, stop_order=1))
     log.info("workers %s: a restarted one keeps its id, takes its requests back", ", ".join(ids))
     gateway_flags = ["--model", config.model, "--host", config.host, "--port", str(config.port)]
-    gateway_flags += ["--redis-url", redis_url, "--kvstore", config.endpoint]
+    gateway_flags += ["--redis-url", redis_url, "--kvstore", endpoint]
     gateway_flags += shlex.split(config.gateway_args)
     admin_token = os.environ.get(ADMIN_TOKEN_ENV) or secrets.token_urlsafe(24)
     env = {**os.environ, ADMIN_TOKEN_ENV: admin_token}
@@ -240,7 +259,7 @@ def _start_stack(
         gateway = partial(spawn_process, "gateway", gateway_flags, env=env, **children)
         name = "gateway" if config.gateways == 1 else f"gateway {i}"
         supervisor.start(ChildSpec(name, gateway, stop_order=0))
-    registered = _ready(lambda: [probe_worker(config.endpoint, i, 60.0, 5.0) for i in ids])
+    registered = _ready(lambda: [probe_worker(endpoint, i, 60.0, 5.0) for i in ids])
     supervisor.wait_until(registered, timeout_s, "the workers")
     url = f"http://{_url_host(config.host)}:{config.port}"
     healthy = _ready(partial(probe_gateway, f"{url}/health", 2.0))
@@ -274,6 +293,33 @@ def _check_port_free(host: str, port: int) -> None:
                 raise SystemExit(f"pagedserve up: cannot listen on {host}:{port}: {err}") from None
 
 
+def _check_endpoint_free(endpoint: str) -> None:
+    """Exits with one line if a kvstore (or anything) already listens at the kvstore's
+    ``endpoint`` (before anything is started)."""
+    from contracts.endpoints import env_token
+    from kvstore.security import endpoint_in_use
+
+    taken = endpoint_in_use(endpoint, env_token())
+    if taken is not None:
+        raise SystemExit(f"pagedserve up: {taken}; stop it or pass another --endpoint")
+
+
+def _note_earlier_redis_dir(config: UpConfig) -> None:
+    """Logs where the data of an `up` from before each port had its own Redis directory is,
+    when this stack starts a new directory beside it."""
+    earlier = Path(EARLIER_REDIS_DIR).absolute()
+    if config.redis_dir != UpConfig.redis_dir or config.redis_directory().exists():
+        return
+    if (earlier / "appendonly.aof").exists() or (earlier / "appendonlydir").exists():
+        log.warning(
+            "starting a new Redis in %s; the data of an earlier `pagedserve up` is in %s "
+            "(pass --redis-dir %s to serve from it)",
+            config.redis_directory(),
+            earlier,
+            EARLIER_REDIS_DIR,
+        )
+
+
 def _ready(check: Callable[[], object]) -> Callable[[], str | None]:
     """A ``pagedserve.probe`` check as a ``Supervisor.wait_until`` probe."""
     from pagedserve.probe import ProbeFailed
@@ -301,10 +347,11 @@ def _banner(config: UpConfig, url: str, redis_url: str, token: str, ids: list[st
     question = '{"role": "user", "content": "What is the capital of France?"}'
     body = f'{{"model": "{model}", "messages": [{question}], "max_tokens": 32, "temperature": 0'
     body += ', "stream": true}'  # greedy: a small model's sampled text wanders (temperature 1)
-    redis_dir = Path(config.redis_dir).absolute()
+    redis_dir = config.redis_directory()
     redis_note = "external, not restarted" if os.environ.get("REDIS_URL") else f"in {redis_dir}"
     return (
-        f"pagedserve is up at {url} (redis {redact(redis_url)}, kvstore {config.endpoint}, "
+        f"pagedserve is up at {url} (redis {redact(redis_url)}, "
+        f"kvstore {config.kvstore_endpoint()}, "
         f"{config.workers} worker(s), {config.gateways} gateway process(es)). Ctrl-C stops it.\n"
         f"admin token ({ADMIN_TOKEN_ENV}): {token}\n"
         f"try: curl -N {url}/v1/chat/completions -H 'Content-Type: application/json' "

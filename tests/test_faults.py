@@ -21,6 +21,7 @@ import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ import pytest
 import redis
 
 from kvstore import protocol as p
-from kvstore.client import KVClient
+from kvstore.client import KVClient, KVStoreLost
 from pagedserve.redis_server import free_port
 from tests.test_up import up_command, up_env
 from tests.test_up_supervised import child_pid, wait_for
@@ -143,7 +144,12 @@ def body(i: int, max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
 
 
 async def one(
-    session: aiohttp.ClientSession, url: str, i: int, events: list[int], max_tokens: int
+    session: aiohttp.ClientSession,
+    url: str,
+    i: int,
+    events: list[int],
+    max_tokens: int,
+    stamps: list[tuple[float, int]],
 ) -> Outcome:
     text: list[str] = []
     try:
@@ -164,23 +170,29 @@ async def one(
                     return Outcome("".join(text), False, error)
                 text += [c["text"] for c in event["choices"]]
                 events[i] += 1
+                stamps.append((time.monotonic(), i))
     except (aiohttp.ClientError, TimeoutError) as err:
         return Outcome("".join(text), False, type(err).__name__)
     return Outcome("".join(text), False, "the stream ended without [DONE]")
 
 
 def streams(
-    url: str, kill: Callable[[], None] | None = None, max_tokens: int = MAX_TOKENS
+    url: str,
+    kill: Callable[[], None] | None = None,
+    max_tokens: int = MAX_TOKENS,
+    stamps: list[tuple[float, int]] | None = None,
 ) -> tuple[list[Outcome], float]:
     """Runs the 20 streams; with ``kill``, calls it once every stream is under way (and none is
-    done). Returns each outcome, and how long the streams took after the kill."""
+    done). Returns each outcome, and how long the streams took after the kill returned.
+    ``stamps`` gets (time.monotonic(), stream) for every event."""
 
     async def go() -> tuple[list[Outcome], float]:
         events = [0] * STREAMS
         timeout = aiohttp.ClientTimeout(total=BOUND_S)
+        times = [] if stamps is None else stamps
         async with aiohttp.ClientSession(timeout=timeout) as session:
             tasks = [
-                asyncio.create_task(one(session, url, i, events, max_tokens))
+                asyncio.create_task(one(session, url, i, events, max_tokens, times))
                 for i in range(STREAMS)
             ]
             killed_at = time.monotonic()
@@ -219,6 +231,54 @@ def kill_pid(pid: int | None) -> None:
     os.kill(pid, signal.SIGKILL)
 
 
+@dataclass
+class Restart:
+    """A kvstore killed, and when the one `up` started after it answered."""
+
+    killed_wall: float = 0.0  # time.time(), to compare with the log's times
+    killed_at: float = 0.0  # time.monotonic()
+    answered_at: float = 0.0
+
+
+def kill_the_kvstore_until_the_next_answers(pid: int | None, endpoint: str, at: Restart) -> None:
+    at.killed_wall, at.killed_at = time.time(), time.monotonic()
+    kill_pid(pid)
+    deadline = at.killed_at + 120
+    with KVClient(endpoint, timeout_s=120) as client:
+        while True:  # a Ping sent now waits in the socket for the next daemon
+            try:
+                client.call(p.Ping())
+                break
+            except KVStoreLost:  # it went to the dying one
+                assert time.monotonic() < deadline, "no kvstore after 120 s"
+    at.answered_at = time.monotonic()
+
+
+def resumed(stamps: list[tuple[float, int]], since: float) -> tuple[float, float]:
+    """Seconds after ``since`` to the first event of any stream, and to the first event of the
+    last stream to resume."""
+    first: dict[int, float] = {}
+    for at, i in stamps:
+        if at > since:
+            first.setdefault(i, at)
+    return min(first.values()) - since, max(first.values()) - since
+
+
+def logged_at(log: str, needle: str, after_wall: float) -> float:
+    """time.time() of the first line of ``log`` (`up`'s children's, "%(asctime)s ...") holding
+    ``needle`` and logged after ``after_wall`` (less the log's millisecond rounding)."""
+    for line in log.splitlines():
+        if needle not in line:
+            continue
+        try:
+            stamp = datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        except ValueError:
+            continue
+        if stamp >= after_wall - 0.01:
+            return stamp
+    raise AssertionError(f"no {needle!r} logged after the kill")
+
+
 def test_sigkill_of_each_process_of_a_one_worker_stack(tmp_path: Path) -> None:
     with running_up(tmp_path, workers=1) as up:
         expected = [o.text for o in streams(up.url)[0]]
@@ -233,11 +293,27 @@ def test_sigkill_of_each_process_of_a_one_worker_stack(tmp_path: Path) -> None:
         up.wait_released()
 
         # The kvstore: `up` restarts it; the worker registers again, maps the new pool and
-        # recomputes its requests (their blocks died with the pool).
-        kvstore = child_pid(up.process, "kvstore")
-        outcomes, took = streams(up.url, lambda: kill_pid(kvstore))
+        # recomputes its requests (their blocks died with the pool). It notices the loss when
+        # the daemon's socket closes, not at its call's timeout (10 s), and is waiting for the
+        # next daemon when it answers.
+        kvstore, restart = child_pid(up.process, "kvstore"), Restart()
+        stamps: list[tuple[float, int]] = []
+        outcomes, took = streams(
+            up.url,
+            lambda: kill_the_kvstore_until_the_next_answers(kvstore, up.endpoint, restart),
+            stamps=stamps,
+        )
         completes_identically(outcomes, expected)
         assert "the kvstore's pool is new: mapping it again" in up.log()
+        noticed = logged_at(up.log(), "closed before the reply", restart.killed_wall)
+        first, last = resumed(stamps, restart.answered_at)
+        print(
+            f"kvstore killed: the worker noticed after {noticed - restart.killed_wall:.2f} s; "
+            f"the next kvstore answered after {restart.answered_at - restart.killed_at:.2f} s; "
+            f"the streams resumed {first:.2f} s (first) to {last:.2f} s (last) after that"
+        )
+        assert noticed - restart.killed_wall < 8.0  # at its next step, not at 10 s
+        assert last < 20.0  # a fresh pool: the 20 prompts computed again, on a loaded CPU
         up.wait_released()
 
         # Redis: `up` restarts it on its port with its append-only file; the worker rebuilds

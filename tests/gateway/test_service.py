@@ -219,7 +219,7 @@ def test_a_dead_gateways_requests_are_aborted_by_the_workers(stack: Stack) -> No
 
         async def scenario() -> list[str]:
             async def one(session: aiohttp.ClientSession, i: int) -> str:
-                # long enough to outlive the kill, the liveness TTL and the worker's 5 s of
+                # long enough to outlive the kill, the liveness TTL and the worker's 3 s of
                 # grace: ~2,600 tokens are out by then on a 2-core CPU (3,000 was too few once
                 # the kvstore's reply left the worker's step)
                 body = {"prompt": f"dead {i}", "max_tokens": 4000, "ignore_eos": True}
