@@ -55,6 +55,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from compute.admission import ModelLimits
 from compute.faults import Faults, RequestError
 from compute.grammar import Grammars, GuidesUnsupported
+from compute.heartbeat import Heartbeat
 from compute.intake import Intake
 from compute.kvsync import Diverged, KVSync, Sent
 from compute.model_step import ModelStep
@@ -95,6 +96,7 @@ class Engine:
         cuda_graph_max_tokens: int = 0,
         recompute_profile: RecomputeProfile | None = None,
         profile_origin: p.ProfileOrigin | None = None,
+        heartbeat: bool = False,
     ) -> None:
         """Registers at the kvstore, maps its pool and takes back the requests a previous
         process under ``worker_id`` left pending. ``claim_idle_ms``: a pending request untouched
@@ -102,7 +104,9 @@ class Engine:
         every ``claim_idle_ms / 4``). ``cuda_graph_max_batch``: decode steps up to that size
         replay CUDA graphs; ``cuda_graph_max_tokens``: other steps up to that many tokens
         replay CUDA graphs of mixed steps (CUDA only, ``ModelRunner``). The profiles go to the
-        kvstore's cost model (``compute.profile``), with ``profile_origin``."""
+        kvstore's cost model (``compute.profile``), with ``profile_origin``. ``heartbeat``: a
+        thread keeps its leases while a step is long (``compute.heartbeat``; the worker
+        process's engine has one)."""
         self.worker_id = worker_id
         self.model = model
         self.tokenizer = tokenizer
@@ -128,13 +132,20 @@ class Engine:
         self.idle_s = 0.0  # an idle engine waiting for requests (in no phase), a counter
         self.steps = 0  # turns of step() that had work (an idle wait is not a step), a counter
         self._timeline_sent_at = 0.0
+        self._wants_heartbeat = heartbeat
+        self.heartbeat: Heartbeat | None = None  # started at the first registration
         self.publisher = Publisher(r, worker_id)
         self.runner: ModelRunner | None = None
         self._pool: p.PoolInfo | None = None
         self.limits = ModelLimits.of(model)  # what a request may ask of the model
         # made for the first guided request (or why the model has none)
         self._grammars: Grammars | GuidesUnsupported | None = None
-        self._connect(redeliver=True)
+        try:
+            self._connect(redeliver=True)
+        except BaseException:
+            if self.heartbeat is not None:
+                self.heartbeat.stop()
+            raise
         # from here on a Triton kernel variant built stalls every request: logged, timed as
         # the ``compile`` phase
         self.compiles = CompileWatch(self._compiled)
@@ -159,6 +170,11 @@ class Engine:
                 self.profile_origin,
             )
         )
+        if self._wants_heartbeat and self.heartbeat is None:  # before the graphs' capture
+            self.heartbeat = Heartbeat(
+                self.kv.endpoint, self.redis, self.worker_id, reply.lease_timeout_s / 3
+            )
+            self.heartbeat.start()
         if reply.pool != self._pool:
             self._map(reply.pool)
         self.scheduler = Scheduler(self.config, reply.pool.block_size)
@@ -333,6 +349,8 @@ class Engine:
         worked = bool(self.active or records or self.intake.incoming) or model.inflight is not None
         if worked:
             self.steps += 1
+        if self.heartbeat is not None:
+            self.heartbeat.beat(tuple(self.intake.held()))
         return worked
 
     def _take_reply(self, clock: float) -> float:
@@ -443,6 +461,8 @@ class Engine:
         self._drain_publisher()
         self.publisher.close()
         self.compiles.uninstall()
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
         if not connected:
             log.warning("stopping without the kvstore or Redis: not unregistering")
             return

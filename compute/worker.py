@@ -225,6 +225,7 @@ def _start_engine(
                 config.cuda_graph_max_tokens,
                 profiles.recompute,
                 origin,
+                heartbeat=True,
             )
         except RECOVERABLE as err:
             log.warning("cannot start serving yet (%s): retrying in %.1f s", err, delay)

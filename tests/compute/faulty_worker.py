@@ -4,7 +4,8 @@ fault-isolation tests: ``python -m tests.compute.faulty_worker <pagedserve compu
 Each stage's function is wrapped (monkeypatched in this process only): when it runs for a marked
 request it raises ``InjectedFault`` (a request whose id contains ``poison-{stage}``), or kills the
 process as a crash would (``kill-{stage}``, or any request with ``seed`` = ``KILL_SEED``, which a
-client of the gateway can set). Stages whose function has no request id at hand mark the request
+client of the gateway can set). A request with ``seed`` = ``SLOW_SEED`` makes the step that draws
+its first token last ``SLOW_S``. Stages whose function has no request id at hand mark the request
 by a parameter instead: a guide whose spec contains ``poison-guide``, a stop string
 ``poison-stop``, ``logprobs`` = ``POISON_LOGPROBS``.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +30,8 @@ from pagedserve.cli import main
 
 POISON_LOGPROBS = 17  # a request asking for this many top logprobs fails where they are built
 KILL_SEED = 666_666  # a request with this seed kills the worker when it is admitted
+SLOW_SEED = 777_777  # a request with this seed makes the step that draws its first token slow
+SLOW_S = 8.0  # how slow: longer than the tests' leases
 
 
 class InjectedFault(RuntimeError):
@@ -38,6 +42,12 @@ def _id_marked(req_id: str, stage: str) -> bool:
     if f"kill-{stage}" in req_id:
         os.kill(os.getpid(), signal.SIGKILL)
     return f"poison-{stage}" in req_id
+
+
+def _slow(seed: int | None, generated: int) -> bool:
+    if seed == SLOW_SEED and generated == 0:
+        time.sleep(SLOW_S)  # a long step: a long prompt chunk on a CPU, a graph capture
+    return False
 
 
 def _killer(seed: int | None) -> bool:
@@ -73,7 +83,10 @@ STAGES: dict[str, tuple[Any, str, Callable[..., bool]]] = {
     "sampling": (
         compute.model_step.ModelStep,
         "_rows",
-        lambda self, i, chunk, active, branch, first: _id_marked(active.record.req_id, "sampling"),
+        lambda self, i, chunk, active, branch, first: (
+            _slow(active.record.params.seed, branch.stop.num_generated)
+            or _id_marked(active.record.req_id, "sampling")
+        ),
     ),
     "penalties": (
         compute.model_step.ModelStep,

@@ -27,7 +27,7 @@ from contracts.records import Guide, OutputRecord, RequestRecord, SamplingParams
 from kvstore import protocol as p
 from kvstore.client import KVClient
 from pagedserve.cli import wait_for_workers
-from tests.compute.faulty_worker import KILL_SEED, POISON_LOGPROBS
+from tests.compute.faulty_worker import KILL_SEED, POISON_LOGPROBS, SLOW_S, SLOW_SEED
 from tests.compute.serving import submit
 from tests.conftest import ROOT, entry_record, start_kvstore, stop_process
 from tests.gateway.conftest import Stack
@@ -264,3 +264,31 @@ def post(url: str, body: dict[str, object]) -> tuple[int, dict[str, Any]]:
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as err:
         return err.code, json.loads(err.read())
+
+
+def test_a_step_longer_than_the_leases_keeps_its_worker_alive(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """A step lasts 4x the kvstore's lease (a long prompt chunk on a CPU, a CUDA graph
+    capture): the worker's heartbeat thread keeps its lease and its claims, so it is never
+    declared dead mid-step (which would make it take the same request back and run the same
+    long step again, for ever), and the request ends with all its tokens."""
+    url = redis_url.rsplit("/", 1)[0] + "/6"
+    redis.Redis.from_url(url).flushdb()
+    lease = SLOW_S / 4
+    kvstore, endpoint = start_kvstore(
+        "--model", "tiny", "--dtype", "float32", "--lease-timeout-s", str(lease)
+    )
+    faulty = FaultyStack(url, endpoint, tmp_path, worker_id="w-slow")
+    try:
+        faulty.start_worker()
+        slow = SamplingParams(max_tokens=3, temperature=0.0, seed=SLOW_SEED, ignore_eos=True)
+        served = faulty.serve({"slow": (b"long step", slow), **NORMAL})
+        assert served["slow"].tokens[0] and len(served["slow"].tokens[0]) == 3
+        assert all(o.finals[-1].finish_reason != "error" for o in served.values())
+    finally:
+        if faulty.worker is not None:
+            faulty.worker.kill()
+        kv_log = stop_process(kvstore)
+    assert "lease expired" not in kv_log, kv_log
+    assert "lost the kvstore" not in faulty.log(), faulty.log()
