@@ -64,9 +64,9 @@ class Grammars:
             try:
                 compiled = llguidance.LLMatcher(self._tokenizer, grammar_of(guide), log_level=0)
             except ValueError as err:
-                raise GrammarError(f"{guide.kind}: {err}") from err
+                raise GrammarError(f"the {guide.kind} guide is refused: {err}") from err
             if compiled.is_error():
-                raise GrammarError(f"{guide.kind}: {compiled.get_error()}")
+                raise GrammarError(f"the {guide.kind} guide is refused: {compiled.get_error()}")
             self._compiled[guide] = compiled
             if len(self._compiled) > self._cache_size:
                 self._compiled.popitem(last=False)

@@ -12,7 +12,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
+import io
 import os
 import subprocess
 import sys
@@ -96,7 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    faulthandler.enable()  # a crash in native code (SIGSEGV, SIGABRT) logs where it happened
+    if not faulthandler.is_enabled():  # a crash in native code (SIGSEGV, SIGABRT) logs its place
+        with contextlib.suppress(io.UnsupportedOperation, ValueError):  # stderr with no file
+            faulthandler.enable()
     parser = build_parser()
     args = parser.parse_args(argv)
 
