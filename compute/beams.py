@@ -43,7 +43,8 @@ class BeamGroup:
         """``root``: the request's prompt sequence, the only live beam at first. A beam ends at
         a stop token id (EOS included unless ``ignore_eos``) or ``max_tokens``; stop strings are
         not applied. New beams' sequences are named ``{root}#{name}.{k}``: ``name`` (the
-        worker's id) keeps them apart from those of a dead worker that served it before."""
+        worker's id and a tag of its process) keeps them apart from those of a dead worker that
+        served it before."""
         self.stop_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else frozenset(eos_token_ids)
         )

@@ -11,6 +11,7 @@ when the worker rebuilds its state after losing the kvstore or Redis.
 from __future__ import annotations
 
 import contextlib
+import secrets
 from collections.abc import Callable, Collection, Iterator
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
@@ -38,13 +39,14 @@ class Requests:
         worker_id: str,
         grammars: Callable[[], Grammars] | None = None,
     ) -> None:
-        """``decode``: token ids -> output text (the stop checkers'); ``worker_id`` names the
-        beams this worker forks (apart from those of a dead worker that served a request);
+        """``decode``: token ids -> output text (the stop checkers'); ``worker_id`` and a
+        random tag name the beams this process forks, apart from those of a dead worker that
+        served a request before, a previous life of this worker's id included;
         ``grammars``: the worker's grammar compiler (made on first use), for guided requests."""
         self.scheduler = scheduler
         self._decode = decode
         self._eos_ids = eos_ids
-        self._worker_id = worker_id
+        self._beam_name = f"{worker_id}-{secrets.token_hex(4)}"
         self._grammars = grammars
         self.active: dict[str, Active] = {}  # by request id
         self._branches: dict[str, tuple[Active, Branch]] = {}  # by sequence id
@@ -70,7 +72,7 @@ class Requests:
             active.prompt_logprobs = [None] * len(record.prompt_token_ids)
         self.active[record.req_id] = active
         if beams:
-            active.beams = BeamGroup(seq, record.params, self._eos_ids, self._worker_id)
+            active.beams = BeamGroup(seq, record.params, self._eos_ids, self._beam_name)
             self._beams[seq.seq_id] = active
         else:
             self.add_branch(active, seq, 0)
