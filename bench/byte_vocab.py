@@ -1,4 +1,4 @@
-"""A deterministic byte-level BPE tokenizer of any vocabulary size, for grammar-engine benchmarks.
+"""A deterministic byte-level BPE tokenizer of any vocabulary size, for structured-output runs.
 
 Ids 0-255 are the 256 bytes (GPT-2's byte -> character map, as in ``contracts.tokenizer``), then
 multi-byte tokens like a Llama-3-size vocabulary holds (JSON punctuation runs, whitespace runs,

@@ -1,9 +1,9 @@
 """The GPU's SM clock, power draw and clock-event reasons, sampled beside a benchmark run.
 
 A long compute-heavy run can hold the GPU at its power limit, where the SM clock drops (the 8B
-1000-request run on the H200: 686 W of 700, 1,567 MHz against 1,980; BENCHMARKS.md, fourteenth
-pass). A serving figure means little without that state, so ``bench/http_serve.py`` samples it
-beside every client run: ``with GpuMonitor() as gpu: ...``, then ``gpu.summary()``.
+1000-request run on the H200: 686 W of 700, 1,567 MHz against 1,980; BENCHMARKS-archive.md,
+fourteenth pass). A serving figure means little without that state, so ``bench/http_serve.py``
+samples it beside every client run: ``with GpuMonitor() as gpu: ...``, then ``gpu.summary()``.
 
 ``nvidia-smi`` samples in a child process every ``interval_ms``; without it (a CPU host) the
 summary says so.

@@ -16,7 +16,7 @@ through the block tables (``attend``): the step's leading one-token chunks (its 
 scheduler puts them first) with the split-K ``paged_decode``, the rest with ``paged_prefill``.
 The prefill kernel gives every chunk whole query tiles, so a decode row run through it would
 waste most of a tile: a step of 255 decodes beside one prompt spent 3.9 of its 7.0 ms there
-(BENCHMARKS.md). On CUDA it runs the Triton kernels of ``kernels``; on CPU the pure-torch
+(BENCHMARKS-archive.md). On CUDA it runs the Triton kernels of ``kernels``; on CPU the pure-torch
 references of ``kernels.reference`` (with an in-place store, since the reference store returns
 new tensors).
 """

@@ -3,8 +3,9 @@ block table, in spirit).
 
 A CUDA-graph step reads a dense [B, width] table. Built from the host lists every step, it was
 most of what a step copied (a 1B decode step of 128 requests with contexts of ~600 tokens: ~4,900
-of ~5,600 values) and ~17% of the worker's host time on the H200 (py-spy, BENCHMARKS.md). Yet a
-sequence's table changes rarely: a block every 16 tokens, a copy-on-write swap, a new placement.
+of ~5,600 values) and ~17% of the worker's host time on the H200 (py-spy,
+BENCHMARKS-archive.md). Yet a sequence's table changes rarely: a block every 16 tokens, a
+copy-on-write swap, a new placement.
 
 Here every sequence the steps run has a row of a device tensor, keyed by the caller (a sequence
 id). ``plan`` compares each sequence's host table with what its row was last given (a host

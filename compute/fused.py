@@ -4,8 +4,8 @@ transformers runs a layer's small ops one torch kernel at a time: an RMSNorm is 
 the rotary embedding of q and k ten, the gated MLP's activation two, q/k/v and gate/up are
 separate matrix products, and attention's inputs are copied to a token-major layout. At decode
 batch sizes each of those kernels is tiny, and together they took a third of a 1B-shaped decode
-step on the H200 (BENCHMARKS.md). ``fuse_layers`` rebinds, on each instance only (the library's
-classes and functions are left alone, so a reference model in the same process stays
+step on the H200 (BENCHMARKS-archive.md). ``fuse_layers`` rebinds, on each instance only (the
+library's classes and functions are left alone, so a reference model in the same process stays
 transformers' own):
 
 - every RMSNorm module's ``forward`` to ``kernels.rms_norm`` (one kernel);

@@ -1,8 +1,8 @@
 """CUDA graphs of decode-only forwards: one per batch-size bucket, replayed with the step's data.
 
 A decode step of a small model is launch-bound: ~10 kernels per layer, each costing more host
-time than GPU time (BENCHMARKS.md). Capturing the whole forward once per bucket and replaying it
-turns hundreds of launches into one.
+time than GPU time (BENCHMARKS-archive.md). Capturing the whole forward once per bucket and
+replaying it turns hundreds of launches into one.
 
 A step's inputs travel in one host-to-device copy (``compute.transfer.Staging``) and the graph
 itself unpacks them: the bucket's graph reads its inputs at fixed places of the staging buffer,
@@ -10,7 +10,7 @@ writes the step's block-table changes into the runner's ``DeviceBlockTables``, g
 and takes the tokens that are only on the device (fed from the step before) from
 ``fed_tokens``. So a replay costs the host one copy, at most two small eager ops and the launch
 of the graph, where unpacking the inputs eagerly took about a dozen torch calls per step (~0.5
-ms of host time per 1B decode step on the H200, py-spy, BENCHMARKS.md).
+ms of host time per 1B decode step on the H200, py-spy, BENCHMARKS-archive.md).
 
 Rows past the step's batch do nothing: slot -1 (``store_kv`` skips it) and context length 0
 (``paged_decode`` writes zeros). Block tables are as wide as the longest context the model

@@ -4,7 +4,7 @@ A step that carries a prompt chunk beside the decodes cannot replay a decode gra
 depends on its chunks. Run eagerly, a 1B-shaped step of 255 decodes and one 610-token chunk took
 11 ms of host time to enqueue for 7 ms of device work. Piecewise graphs (everything captured but
 attention, which ran eagerly between the pieces) brought the host's share to 5 ms: still as much
-as the device's, so a burst of arrivals stayed launch-bound (BENCHMARKS.md, issue 11).
+as the device's, so a burst of arrivals stayed launch-bound (BENCHMARKS-archive.md, issue 11).
 
 Here attention is captured too. Its graph forms read the step's work from the device
 (``kernels``): the decodes through ``paged_decode(count=...)`` over as many rows as the bucket can

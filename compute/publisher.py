@@ -15,7 +15,7 @@ drops them.
 No thread: the encoding and the reply parsing are Python, and a thread doing them would hold
 the GIL that the engine's loop needs; writing now and reading a step later gives the same overlap
 with Redis without that contention. (A first version used a thread; its cost was not measured
-apart from the device waits found at the same time, see BENCHMARKS.md.)
+apart from the device waits found at the same time, see BENCHMARKS-archive.md.)
 
 Abort and liveness checks (an MGET of one key per request) ride along at most every
 ``check_every_s``: an abort is seen within that time plus a step.

@@ -6,7 +6,7 @@ model's modules), and under traffic each full collection walked those hundreds o
 objects again. Its young collections ran every 700 allocations, so short-lived per-token
 objects (a gateway's deltas waiting for their stream) were promoted and soon paid for in full
 collections. Measured on a gateway streaming to 1,000 clients on the 2-core development VM
-(``bench/gateway_throughput.py``, BENCHMARKS.md, issue 11, tenth pass): 12 full collections
+(``bench/gateway_throughput.py``, BENCHMARKS-archive.md, issue 11, tenth pass): 12 full collections
 took 3.1-3.3 s while its timed run used 6.8-7.4 s of CPU, the longest stalling every stream
 for ~300 ms; tuned, its collections took 0.06-0.10 s. A CPU worker serving 1,000 requests ran
 6 full collections (1.2 s, up to 219 ms each); tuned, one young one.

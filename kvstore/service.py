@@ -20,7 +20,8 @@ from kvstore.stats import block_info, block_map, build_stats
 
 log = logging.getLogger("pagedserve.kvstore")
 # bytes per write-back pass between calls: ~0.15 ms at 55 GB/s, whatever the block size (a pass
-# of 64 blocks, 128 MiB of the 8B shape's, held the next Step ~2 ms: BENCHMARKS.md, ninth pass)
+# of 64 blocks, 128 MiB of the 8B shape's, held the next Step ~2 ms: BENCHMARKS-archive.md,
+# ninth pass)
 WRITE_BACK_BYTES = 8 << 20
 
 

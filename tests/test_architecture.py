@@ -1,6 +1,7 @@
 """The architecture as docs/architecture.md states it: who may import whom (checked on the
 source, lazy imports included, and by importing every module in a fresh interpreter), every
-module the document names exists, and its Redis keys are the code's."""
+module the document names exists, and its Redis keys are the code's. Also every file or folder
+that README.md, docs/*.md, bench/README.md and BENCHMARKS.md name exists."""
 
 from __future__ import annotations
 
@@ -101,6 +102,51 @@ def test_every_module_the_document_names_exists() -> None:
     assert len(named) > 30, "the document names the modules"
     missing = sorted(name for name in named if not (ROOT / name).is_file())
     assert not missing, missing
+
+
+# The pages a reader follows: every file or folder of the repository they name must exist, so
+# that moving or deleting one fails here until the pages say so. The benchmarks' archive is left
+# out: it keeps its entries as they were written, files since removed included.
+PAGES = sorted(
+    [
+        *(ROOT / "docs").glob("*.md"),
+        ROOT / "README.md",
+        ROOT / "bench" / "README.md",
+        ROOT / "BENCHMARKS.md",
+    ]
+)
+# a path of the repository: one of its top-level folders, then a slash (not inside a longer
+# path, a URL or a dotted name); a sentence's full stop or comma after it is not part of it
+TOP_FOLDERS = "|".join(re.escape(d) for d in (*OURS, "bench", "tests", "docs", "docker", ".ci"))
+REPO_PATH = re.compile(rf"(?<![\w./:-])((?:{TOP_FOLDERS})/[\w./-]*)")
+LINK = re.compile(r"\]\(([^)\s#]+)(?:#[^)]*)?\)")
+
+
+def paths_named(page: Path) -> set[str]:
+    text = page.read_text()
+    named = {m.rstrip(".,") for m in REPO_PATH.findall(text)}
+    links = {
+        str((page.parent / target).resolve().relative_to(ROOT.resolve()))
+        for target in LINK.findall(text)
+        if "://" not in target
+    }
+    return named | links
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_file_a_page_names_exists(page: Path) -> None:
+    """README.md, docs/*.md, bench/README.md and BENCHMARKS.md: every path of the repository
+    they name (a module, a script, a folder) and every page they link to exists."""
+    named = paths_named(page)
+    missing = sorted(name for name in named if not (ROOT / name).exists())
+    assert not missing, missing
+
+
+def test_the_pages_name_files() -> None:
+    """The check above sees what it should: the pages name their modules and link each other."""
+    assert len(paths_named(ROOT / "docs" / "packages.md")) > 100
+    assert "bench/README.md" in paths_named(ROOT / "README.md")
+    assert "docs/architecture.md" in paths_named(ROOT / "docs" / "kvstore.md")
 
 
 def test_the_documents_redis_keys_are_the_codes() -> None:

@@ -34,7 +34,7 @@ from kernels.reference import (
 from tests.kernels.kernel_cases import make_case, randn
 
 F16, BF16, I32, I64 = torch.float16, torch.bfloat16, torch.int32, torch.int64
-README = Path(__file__).resolve().parents[2] / "README.md"
+KERNELS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "kernels.md"
 
 Args = dict[str, Any]
 
@@ -266,8 +266,8 @@ def test_launchers_refuse_an_unsupported_head_dim(device: torch.device, head_dim
         paged_prefill(q, *common, cu, case.context_lens, 1.0)
 
 
-def test_readme_states_what_the_checks_enforce() -> None:
-    section = README.read_text().split("\n## Kernels\n", 1)[1].split("\n## ", 1)[0]
+def test_the_kernels_page_states_what_the_checks_enforce() -> None:
+    section = KERNELS_PAGE.read_text().split("\n## What they take\n", 1)[1].split("\n## ", 1)[0]
     section = " ".join(section.split())
     lo, hi = SUPPORTED_HEAD_DIMS[0], SUPPORTED_HEAD_DIMS[-1]
     assert f"head dims {lo}-{hi}" in section
