@@ -159,6 +159,8 @@ def convert_gguf(source: Path, cache: Path | None = None) -> Path:
         try:
             _dequantize(source, partial, target)
             partial.chmod(0o755)  # mkdtemp's 0700: readable by whoever reads the cache
+            for file in partial.iterdir():  # safetensors writes 0600: a container's user
+                file.chmod(0o644)  # (another uid) reads the directory mounted read-only
             partial.rename(target)
         finally:
             shutil.rmtree(partial, ignore_errors=True)

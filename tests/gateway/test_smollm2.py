@@ -187,6 +187,10 @@ def test_the_gguf_file_is_converted_once_by_processes_starting_together(
     assert [p.name for p in checkpoint.parent.iterdir() if p.is_dir()] == [checkpoint.name]
     files = {p.name for p in checkpoint.iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja"} <= files
+    # readable by another uid (a container's user, the directory mounted read-only)
+    assert all(p.stat().st_mode & 0o444 == 0o444 for p in checkpoint.iterdir()), [
+        (p.name, oct(p.stat().st_mode)) for p in checkpoint.iterdir()
+    ]
     config = json.loads((checkpoint / "config.json").read_text())
     assert (config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]) == (
         30,
