@@ -14,7 +14,7 @@ from typing import Any
 from pagedserve.bench import tokenizer_of
 from pagedserve.bench_workloads import TextMaker, build, parse_range
 from tests.conftest import ROOT
-from tests.gateway.conftest import Stack
+from tests.stack import Stack
 
 
 def bench(stack: Stack, tmp_path: Path, *flags: str) -> tuple[dict[str, Any], str, str]:

@@ -21,7 +21,7 @@ from pagedserve.bench import BenchConfig, Client, tokenizer_of
 from pagedserve.bench_report import Result
 from pagedserve.bench_workloads import TextMaker, build
 from tests.conftest import ROOT
-from tests.gateway.conftest import Stack
+from tests.stack import Stack
 
 
 class Recording(Client):

@@ -12,7 +12,7 @@ import redis.asyncio
 
 from contracts import queue_gateway, queue_keys, queue_worker
 from contracts.records import OutputRecord, Streamed, StreamedSequence, encode
-from tests.gateway.redis_contract import V, as_bytes, collect, request, run, submit_all
+from tests.contracts.redis_contract import V, as_bytes, collect, request, run, submit_all
 
 
 def test_dead_worker_requests_are_claimed_and_resumed(r: redis.Redis, url: str) -> None:
@@ -72,7 +72,11 @@ def test_request_that_kills_workers_is_failed(r: redis.Redis, url: str) -> None:
     time.sleep(0.03)
     assert queue_worker.claim_stale(r, "w3", min_idle_ms=20, max_deliveries=3) == []  # delivery 4
     [record] = run(collect(url, "p"))
-    assert record.finish_reason == "error" and record.final and "died while serving it, 3 times" in (record.error or "")
+    assert (
+        record.finish_reason == "error"
+        and record.final
+        and "died while serving it, 3 times" in (record.error or "")
+    )
     assert r.xlen(queue_keys.REQUEST_STREAM) == 0
 
 

@@ -1,6 +1,6 @@
 """The health probes (`pagedserve/probe.py`) against real processes: a kvstore, a worker, a
 gateway, and a stand-in HTTP server; run as a container healthcheck runs them (their compose
-wiring: tests/test_compose_files.py)."""
+wiring: tests/e2e/test_compose_files.py)."""
 
 from __future__ import annotations
 
