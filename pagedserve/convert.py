@@ -11,22 +11,23 @@ from __future__ import annotations
 import logging
 import signal
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from contracts.checkpoints import MODEL_HELP, SMOLLM2, converted_dir, gguf_source, resolve_model
+from contracts import options
+from contracts.checkpoints import SMOLLM2, converted_dir, gguf_source, resolve_model
 
 log = logging.getLogger("pagedserve")
 
 
 @dataclass(frozen=True)
 class ConvertConfig:
-    model: str = field(default=SMOLLM2, metadata={"help": MODEL_HELP})
+    model: str = options.model("", SMOLLM2)
 
 
 def run_convert(config: ConvertConfig) -> None:
     """Converts ``config.model`` if it is a GGUF model not converted yet; prints the checkpoint
     directory (or ``tiny``). A model that cannot be found or read: one line, exit status 1."""
-    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    options.configure_logging("INFO")
     try:
         print(resolve_model(config.model), flush=True)
     except FileNotFoundError as err:

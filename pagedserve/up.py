@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from contracts.checkpoints import MODEL_HELP, SMOLLM2
+from contracts import options
+from contracts.checkpoints import SMOLLM2
 from contracts.endpoints import STACK_ENDPOINT, for_port
 from gateway.config import ADMIN_TOKEN_ENV, GatewayConfig
 from gateway.metrics import MULTIPROC_ENV
@@ -45,15 +46,9 @@ EARLIER_REDIS_DIR = ".pagedserve/redis"  # every port's, before --redis-dir had 
 
 @dataclass(frozen=True)
 class UpConfig:
-    model: str = field(
-        default=SMOLLM2,
-        metadata={"help": f"{MODEL_HELP}; converted before the stack starts, if need be"},
-    )
-    device: str = field(
-        default="auto",
-        metadata={
-            "help": "'cuda', 'cpu' or 'auto': cuda when there is a GPU (kvstore and workers)"
-        },
+    model: str = options.model("; converted before the stack starts, if need be", SMOLLM2)
+    device: str = options.device(
+        "'cuda', 'cpu' or 'auto': cuda when there is a GPU (kvstore and workers)"
     )
     workers: int = field(
         default=1,
@@ -156,7 +151,7 @@ def run_up(config: UpConfig) -> None:
     one failed more than ``max_restarts`` times in a row."""
     from pagedserve.redis_server import RedisServer, RedisWatch
 
-    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    options.configure_logging("INFO")
     try:
         policy = RestartPolicy(
             backoff_s=config.restart_backoff_s,
