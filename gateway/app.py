@@ -31,7 +31,7 @@ from gateway.config import ADMIN_TOKEN_ENV, GatewayConfig
 from gateway.errors import APIError, Handler, error_middleware
 from gateway.kvclient import KVStoreError, KVStoreTimeout
 from gateway.metrics import Metrics, Snapshot
-from gateway.prepare import ModelInfo
+from gateway.model_info import ModelInfo
 from gateway.state import STATE, AppState
 from kvstore import protocol as p
 

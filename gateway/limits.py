@@ -14,7 +14,7 @@ from gateway.errors import bad_request
 from kvstore.protocol import LOOKAHEAD_SLOTS
 
 if TYPE_CHECKING:
-    from gateway.prepare import ModelInfo
+    from gateway.model_info import ModelInfo
     from gateway.schemas import ChatRequest, CompletionRequest
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16

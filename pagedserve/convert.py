@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from contracts import options
 from contracts.checkpoints import SMOLLM2, converted_dir, gguf_source, resolve_model
+from pagedserve.procs import spawn_process
 
 log = logging.getLogger("pagedserve")
 
@@ -44,8 +45,6 @@ def convert_before_start(model: str) -> None:
     """For ``up``: exits with one line if ``model`` cannot be found; converts a GGUF model not
     converted yet in a ``pagedserve convert`` child (its progress on this terminal). Ctrl-C
     stops it (it removes what it wrote) and exits."""
-    from pagedserve.cli import spawn_process  # pagedserve.cli imports this module first
-
     try:
         source = gguf_source(model)
         if source is None or converted_dir(source).is_dir():

@@ -28,6 +28,7 @@ from contracts.checkpoints import SMOLLM2
 from contracts.endpoints import STACK_ENDPOINT, for_port
 from gateway.config import ADMIN_TOKEN_ENV, GatewayConfig
 from gateway.metrics import MULTIPROC_ENV
+from pagedserve.procs import spawn_process
 from pagedserve.supervisor import (
     ChildSpec,
     Interrupted,
@@ -214,8 +215,6 @@ def _start_stack(
     import shlex
     from functools import partial
 
-    # pagedserve.cli imports this module (UpConfig) first: its helpers are imported here.
-    from pagedserve.cli import spawn_process
     from pagedserve.probe import probe_gateway, probe_kvstore, probe_worker
 
     timeout_s, children = config.startup_timeout_s, child_popen_options()

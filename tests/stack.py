@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 import aiohttp
 
-from pagedserve.cli import spawn_process
+from pagedserve.procs import spawn_process
 from pagedserve.redis_server import free_port
 from tests.conftest import start_kvstore, stop_process
 

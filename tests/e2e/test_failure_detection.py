@@ -29,7 +29,7 @@ from contracts.queue_keys import GATEWAY_TTL_S
 from contracts.records import StreamedSequence
 from kvstore import protocol as p
 from kvstore.client import KVClient
-from pagedserve.cli import spawn_process
+from pagedserve.procs import spawn_process
 from pagedserve.redis_server import free_port
 from tests.conftest import entry_record, start_kvstore, stop_process
 from tests.pagedserve.test_up import submit

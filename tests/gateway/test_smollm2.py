@@ -29,7 +29,7 @@ from transformers import AutoModelForCausalLM
 
 from contracts.checkpoints import CACHE_ENV, SMOLLM2
 from contracts.tokenizer import load_tokenizer
-from pagedserve.cli import spawn_process
+from pagedserve.procs import spawn_process
 from tests.stack import Stack, running_stack
 
 MAX_TOKENS = 24
