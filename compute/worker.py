@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import redis
 
+from compute.backoff import retry_with_backoff
 from compute.scheduler import SchedulerConfig
 from contracts import options
 from contracts.heap import tune_gc_for_serving
@@ -193,26 +194,23 @@ def _start_engine(
     came first)."""
     from compute.engine import RECOVERABLE, RETRY_MAX_S, Engine
 
-    delay = 0.25
-    while not signals:
-        try:
-            return Engine(
-                worker_id,
-                model,
-                tokenizer,
-                kv,
-                r,
-                scheduling,
-                profiles.prefill,
-                config.claim_idle_ms,
-                config.cuda_graph_max_batch,
-                config.cuda_graph_max_tokens,
-                profiles.recompute,
-                origin,
-                heartbeat=True,
-            )
-        except RECOVERABLE as err:
-            log.warning("cannot start serving yet (%s): retrying in %.1f s", err, delay)
-            time.sleep(delay)
-            delay = min(2 * delay, RETRY_MAX_S)
-    return None
+    def start() -> Engine:
+        return Engine(
+            worker_id,
+            model,
+            tokenizer,
+            kv,
+            r,
+            scheduling,
+            profiles.prefill,
+            config.claim_idle_ms,
+            config.cuda_graph_max_batch,
+            config.cuda_graph_max_tokens,
+            profiles.recompute,
+            origin,
+            heartbeat=True,
+        )
+
+    return retry_with_backoff(
+        start, lambda: bool(signals), RECOVERABLE, RETRY_MAX_S, "cannot start serving yet"
+    )
