@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Makes a Docker engine with Compose v2 answer on this machine, for the compose test
-# (tests/test_compose_run.py), where it can: as root (or with password-less sudo) on Debian.
+# (tests/e2e/test_compose_run.py), where it can: as root (or with password-less sudo) on Debian.
 #   - the engine: Debian's docker.io (dockerd, containerd, runc) and mmdebstrap (the base image);
 #   - Compose v2: the plugin of Debian trixie's docker-compose package (2.26; bookworm's
 #     docker-compose is v1, which rejects depends_on.restart), unpacked from its .deb into

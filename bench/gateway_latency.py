@@ -40,7 +40,7 @@ import redis.asyncio
 
 from contracts import queue_gateway, queue_worker
 from contracts.records import OutputRecord, RequestRecord, SamplingParams
-from pagedserve.cli import spawn_process
+from pagedserve.procs import spawn_process
 from pagedserve.redis_server import EmbeddedRedis, free_port
 
 

@@ -35,7 +35,7 @@ import redis
 from contracts import queue_worker
 from contracts.records import OutputRecord, RequestRecord
 from gateway.metrics import MULTIPROC_ENV
-from pagedserve.cli import spawn_kvstore, spawn_process
+from pagedserve.procs import spawn_kvstore, spawn_process
 from pagedserve.redis_server import EmbeddedRedis, free_port
 
 ROOT = Path(__file__).resolve().parent.parent

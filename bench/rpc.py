@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from kvstore import protocol as p  # noqa: E402
 from kvstore.client import KVClient  # noqa: E402
-from pagedserve.cli import spawn_kvstore  # noqa: E402
+from pagedserve.procs import spawn_kvstore  # noqa: E402
 
 
 def percentiles(samples: list[float]) -> tuple[float, float]:

@@ -62,7 +62,7 @@ def stack(
 def stack_on(model_dir: str, flags: list[str]) -> Iterator[tuple[str, str]]:
     """An embedded Redis and a kvstore daemon for ``model_dir`` started with ``flags``; yields
     (kvstore endpoint, Redis URL)."""
-    from pagedserve.cli import spawn_kvstore
+    from pagedserve.procs import spawn_kvstore
     from pagedserve.redis_server import EmbeddedRedis
 
     server = EmbeddedRedis.start()

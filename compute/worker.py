@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING
 
 import redis
 
+from compute.backoff import retry_with_backoff
 from compute.scheduler import SchedulerConfig
-from contracts.checkpoints import MODEL_HELP
-from contracts.endpoints import DEFAULT_ENDPOINT
+from contracts import options
 from contracts.heap import tune_gc_for_serving
 
 if TYPE_CHECKING:
@@ -31,28 +31,15 @@ log = logging.getLogger("pagedserve.compute")
 
 @dataclass(frozen=True)
 class ComputeConfig:
-    model: str = field(
-        default="tiny",
-        metadata={"help": f"{MODEL_HELP}; must match the kvstore's --model"},
+    model: str = options.model("; must match the kvstore's --model")
+    dtype: str = options.dtype(
+        "model dtype; 'auto' takes the checkpoint's (must match the kvstore's pool)"
     )
-    dtype: str = field(
-        default="auto",
-        metadata={
-            "help": "model dtype; 'auto' takes the checkpoint's (must match the kvstore's pool)",
-            "choices": ["auto", "float32", "float16", "bfloat16"],
-        },
+    device: str = options.device(
+        "'cuda', 'cuda:N', 'cpu' or 'auto' (the kvstore's pool must live there too)"
     )
-    device: str = field(
-        default="auto",
-        metadata={
-            "help": "'cuda', 'cuda:N', 'cpu' or 'auto' (the kvstore's pool must live there too)"
-        },
-    )
-    kvstore: str = field(default=DEFAULT_ENDPOINT, metadata={"help": "the kvstore's endpoint"})
-    redis_url: str = field(
-        default="redis://127.0.0.1:6379/0",
-        metadata={"help": "Redis holding the request queue and output streams"},
-    )
+    kvstore: str = options.kvstore()
+    redis_url: str = options.redis_url()
     claim_idle_ms: int = field(
         default=0,
         metadata={
@@ -102,7 +89,7 @@ class ComputeConfig:
             "$XDG_CACHE_HOME/pagedserve/profiles (~/.cache/...); 'off': no cache"
         },
     )
-    log_level: str = field(default="INFO", metadata={"help": "logging level"})
+    log_level: str = options.log_level()
 
 
 class Phases:
@@ -151,9 +138,7 @@ def run(config: ComputeConfig, scheduling: SchedulerConfig) -> None:
     """Loads the model (progress logged), takes its cost-model profile (cached, or measured
     within the budget), registers and serves until a signal: the first drains the running
     requests, a second stops at once. Logs the start-up's phases in one line."""
-    logging.basicConfig(
-        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    options.configure_logging(config.log_level)
     phases = Phases()
     from compute.models import load_model
     from compute.profile_cache import obtain
@@ -209,26 +194,23 @@ def _start_engine(
     came first)."""
     from compute.engine import RECOVERABLE, RETRY_MAX_S, Engine
 
-    delay = 0.25
-    while not signals:
-        try:
-            return Engine(
-                worker_id,
-                model,
-                tokenizer,
-                kv,
-                r,
-                scheduling,
-                profiles.prefill,
-                config.claim_idle_ms,
-                config.cuda_graph_max_batch,
-                config.cuda_graph_max_tokens,
-                profiles.recompute,
-                origin,
-                heartbeat=True,
-            )
-        except RECOVERABLE as err:
-            log.warning("cannot start serving yet (%s): retrying in %.1f s", err, delay)
-            time.sleep(delay)
-            delay = min(2 * delay, RETRY_MAX_S)
-    return None
+    def start() -> Engine:
+        return Engine(
+            worker_id,
+            model,
+            tokenizer,
+            kv,
+            r,
+            scheduling,
+            profiles.prefill,
+            config.claim_idle_ms,
+            config.cuda_graph_max_batch,
+            config.cuda_graph_max_tokens,
+            profiles.recompute,
+            origin,
+            heartbeat=True,
+        )
+
+    return retry_with_backoff(
+        start, lambda: bool(signals), RECOVERABLE, RETRY_MAX_S, "cannot start serving yet"
+    )

@@ -24,13 +24,14 @@ import redis
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from contracts import options
 from contracts.heap import tune_gc_for_serving
 from gateway import admin, admin_page, openai_api
 from gateway.config import ADMIN_TOKEN_ENV, GatewayConfig
 from gateway.errors import APIError, Handler, error_middleware
 from gateway.kvclient import KVStoreError, KVStoreTimeout
 from gateway.metrics import Metrics, Snapshot
-from gateway.prepare import ModelInfo
+from gateway.model_info import ModelInfo
 from gateway.state import STATE, AppState
 from kvstore import protocol as p
 
@@ -156,9 +157,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 def run(config: GatewayConfig) -> None:
     """``pagedserve gateway``: loads the tokenizer and serves until SIGINT/SIGTERM."""
-    logging.basicConfig(
-        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    options.configure_logging(config.log_level)
     admin_token = os.environ.get(ADMIN_TOKEN_ENV) or None
     if admin_token is None:
         log.warning("%s is not set: the admin API is disabled (403)", ADMIN_TOKEN_ENV)

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from contracts.checkpoints import MODEL_HELP
-from contracts.endpoints import DEFAULT_ENDPOINT
+from contracts import options
 from contracts.queue_keys import GATEWAY_TTL_S
 from kvstore.protocol import LEASE_TIMEOUT_S
 
@@ -21,12 +20,9 @@ API_KEY_ENV = "PAGEDSERVE_API_KEY"
 
 @dataclass(frozen=True)
 class GatewayConfig:
-    model: str = field(
-        default="tiny",
-        metadata={
-            "help": f"{MODEL_HELP}: its tokenizer, chat template and context length (no "
-            "weights are loaded); must match the workers'"
-        },
+    model: str = options.model(
+        ": its tokenizer, chat template and context length (no weights are loaded); must match "
+        "the workers'"
     )
     served_model_name: str = field(
         default="",
@@ -45,14 +41,8 @@ class GatewayConfig:
             "PROMETHEUS_MULTIPROC_DIR set, /metrics sums the request metrics of all of them"
         },
     )
-    redis_url: str = field(
-        default="redis://127.0.0.1:6379/0",
-        metadata={"help": "Redis holding the request queue and output streams"},
-    )
-    kvstore: str = field(
-        default=DEFAULT_ENDPOINT,
-        metadata={"help": "the kvstore's endpoint (health, /metrics and the admin API)"},
-    )
+    redis_url: str = options.redis_url()
+    kvstore: str = options.kvstore("the kvstore's endpoint (health, /metrics and the admin API)")
     max_body_bytes: int = field(
         default=8 * 1024 * 1024,
         metadata={"help": "largest request body accepted; larger ones get 413"},
@@ -139,7 +129,7 @@ class GatewayConfig:
             "come back (then go on where they were) before they end with an error"
         },
     )
-    log_level: str = field(default="INFO", metadata={"help": "logging level"})
+    log_level: str = options.log_level()
 
     def resolved_api_key(self, env: dict[str, str]) -> str | None:
         """The /v1 API key: the flag, else the environment's; None: no key required."""

@@ -38,7 +38,8 @@ from contracts.records import REQUEST_ERRORS, OutputRecord, RequestRecord
 from gateway.errors import APIError
 from gateway.logprobs import Logprob, PromptLogprob
 from gateway.metrics import Metrics
-from gateway.prepare import ModelInfo, Prepared
+from gateway.model_info import ModelInfo
+from gateway.prepare import Prepared
 from gateway.router import OutputRouter
 
 log = logging.getLogger("pagedserve.gateway")

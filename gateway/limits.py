@@ -14,7 +14,7 @@ from gateway.errors import bad_request
 from kvstore.protocol import LOOKAHEAD_SLOTS
 
 if TYPE_CHECKING:
-    from gateway.prepare import ModelInfo
+    from gateway.model_info import ModelInfo
     from gateway.schemas import ChatRequest, CompletionRequest
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
@@ -27,27 +27,16 @@ class KVCapacity:
     blocks: int
     block_size: int
 
-    def blocks_for(self, prompt_len: int, max_tokens: int, beam_width: int) -> int:
-        """Blocks a request needs at its largest. The ``n`` branches of a sampled request need
-        not be resident at once (one preempted waits for the others); the live beams of a beam
-        search must be (a round needs every beam's logits): they share the prompt's blocks and
-        each needs its own for the output. A running table also holds ``LOOKAHEAD_SLOTS``
-        slots past its tokens."""
-        if beam_width == 1:
-            return _cdiv(prompt_len + max_tokens + LOOKAHEAD_SLOTS, self.block_size)
-        own = _cdiv(max_tokens + LOOKAHEAD_SLOTS, self.block_size) + 1
-        return prompt_len // self.block_size + beam_width * own
-
     def max_tokens_for(self, prompt_len: int, beam_width: int) -> int:
-        """The most output tokens that fit (0: not even the prompt does)."""
+        """The most output tokens that fit (0: not even the prompt does). The ``n`` branches of
+        a sampled request need not be resident at once (one preempted waits for the others); the
+        live beams of a beam search must be (a round needs every beam's logits): they share the
+        prompt's blocks and each needs its own for the output. A running table also holds
+        ``LOOKAHEAD_SLOTS`` slots past its tokens."""
         if beam_width == 1:
             return max(self.blocks * self.block_size - prompt_len - LOOKAHEAD_SLOTS, 0)
         per_beam = (self.blocks - prompt_len // self.block_size) // beam_width - 1
         return max(per_beam * self.block_size - LOOKAHEAD_SLOTS, 0)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def beam_width_of(req: CompletionRequest | ChatRequest) -> int:

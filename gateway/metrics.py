@@ -133,27 +133,25 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=False)
         self.model_name = model_name
         label, registry = ["model_name"], self.registry
-        self.ttft = Histogram(
-            PREFIX + "time_to_first_token_seconds",
+
+        def histogram(name: str, documentation: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(
+                PREFIX + name, documentation, label, registry=registry, buckets=buckets
+            ).labels(model_name)
+
+        self.ttft = histogram(
+            "time_to_first_token_seconds",
             "seconds from the request's arrival to its first token",
-            label,
-            registry=registry,
-            buckets=TTFT_BUCKETS,
-        ).labels(model_name)
-        self.itl = Histogram(
-            PREFIX + "inter_token_latency_seconds",
-            "seconds between two deltas of one sequence",
-            label,
-            registry=registry,
-            buckets=ITL_BUCKETS,
-        ).labels(model_name)
-        self.e2e = Histogram(
-            PREFIX + "e2e_request_latency_seconds",
+            TTFT_BUCKETS,
+        )
+        self.itl = histogram(
+            "inter_token_latency_seconds", "seconds between two deltas of one sequence", ITL_BUCKETS
+        )
+        self.e2e = histogram(
+            "e2e_request_latency_seconds",
             "seconds from the request's arrival to its last token",
-            label,
-            registry=registry,
-            buckets=E2E_BUCKETS,
-        ).labels(model_name)
+            E2E_BUCKETS,
+        )
         self.prompt_tokens = Counter(
             PREFIX + "prompt_tokens", "prompt tokens of finished requests", label, registry=registry
         ).labels(model_name)

@@ -92,10 +92,6 @@ class OutputRouter:
     def unsubscribe(self, req_id: str) -> None:
         self._subs.pop(req_id, None)
 
-    @property
-    def num_subscribed(self) -> int:
-        return len(self._subs)
-
     async def stop(self, task: asyncio.Task[None]) -> None:
         """Ends ``run`` (running as ``task``). Not by cancellation alone: redis-py 8 can swallow a
         cancellation that lands while it opens a connection, and the loop would go on; the flag

@@ -33,7 +33,7 @@ from gateway.generation import Generation
 from gateway.kvclient import AsyncKVClient, KVStoreError, KVStoreTimeout
 from gateway.limits import KVCapacity
 from gateway.metrics import Metrics
-from gateway.prepare import ModelInfo
+from gateway.model_info import ModelInfo
 from gateway.router import OutputRouter
 
 log = logging.getLogger("pagedserve.gateway")

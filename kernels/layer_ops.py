@@ -17,6 +17,7 @@ import triton.language as tl
 
 from kernels._checks import (
     CACHE_DTYPES,
+    cdiv,
     check_cache_pair,
     check_dense,
     check_index,
@@ -229,5 +230,5 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if tokens == 0 or n == 0:
         return out
     block = min(1024, next_pow2(n))
-    _silu_mul_kernel[(tokens, -(-n // block))](gate_up, out, gate_up.stride(0), n, BLOCK=block)
+    _silu_mul_kernel[(tokens, cdiv(n, block))](gate_up, out, gate_up.stride(0), n, BLOCK=block)
     return out

@@ -237,7 +237,7 @@ def prefill_tiles(
     (their query lengths and context lengths, chunk included), the tiles with the most keys
     first, as the kernel's own grid orders them."""
     pairs = [
-        (b, tile) for b in range(first, len(q_lens)) for tile in range(-(-q_lens[b] // tile_tokens))
+        (b, tile) for b in range(first, len(q_lens)) for tile in range(cdiv(q_lens[b], tile_tokens))
     ]
     pairs.sort(key=lambda bt: -(context_lens[bt[0]] - q_lens[bt[0]] + bt[1] * tile_tokens))
     return pairs

@@ -19,14 +19,41 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict, deque
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 
 class NoFreeBlocks(Exception):
     """Raised when an allocation asks for more blocks than are free or evictable."""
 
 
-class BlockPool:
+class _Tier:
+    """What the GPU pool and the CPU tier count alike: ``num_blocks`` ids, the free ones and the
+    evictable ones (an LRU: cached GPU blocks, demoted CPU blocks), the rest held by requests."""
+
+    num_blocks: int
+    _free: Collection[int]
+    _lru: OrderedDict[int, None]  # first = next victim
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_available(self) -> int:
+        """Blocks an allocation may take: free plus evictable."""
+        return len(self._free) + len(self._lru)
+
+    @property
+    def num_used(self) -> int:
+        """Blocks requests hold (on the CPU: swapped requests)."""
+        return self.num_blocks - self.num_available
+
+    def lru_order(self) -> list[int]:
+        """Evictable blocks, next victim first."""
+        return list(self._lru)
+
+
+class BlockPool(_Tier):
     """Ref counts, a FIFO free queue and an LRU of cached blocks for ``num_blocks`` ids.
 
     The caller (``KVCacheManager``) decides which blocks are cached: ``mark_cached`` when it
@@ -45,26 +72,9 @@ class BlockPool:
         self._copying: set[int] = set()  # used blocks whose copy-on-write is not confirmed
 
     @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
     def num_cached_free(self) -> int:
         """Cached blocks with ref 0 (evictable)."""
         return len(self._lru)
-
-    @property
-    def num_available(self) -> int:
-        """Blocks an allocation may take: free plus evictable cached."""
-        return len(self._free) + len(self._lru)
-
-    @property
-    def num_used(self) -> int:
-        return self.num_blocks - self.num_available
-
-    def lru_order(self) -> list[int]:
-        """Evictable blocks, next victim first."""
-        return list(self._lru)
 
     def lru_iter(self) -> Iterator[int]:
         """Evictable blocks, next victim first, lazily (do not change the pool meanwhile)."""
@@ -167,7 +177,7 @@ class BlockPool:
             assert not self.cached[block], f"copying block {block} is in the prefix index"
 
 
-class CpuTier:
+class CpuTier(_Tier):
     """The CPU tier's block ids (the bytes live in the pinned host pool ``kvstore.device`` owns).
 
     States of a CPU block, exactly one at a time:
@@ -189,29 +199,11 @@ class CpuTier:
         self._lru: OrderedDict[int, None] = OrderedDict()  # demoted; first = next victim
 
     @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
     def num_demoted(self) -> int:
         return len(self._lru)
 
-    @property
-    def num_available(self) -> int:
-        """Blocks an allocation may take: free plus demoted."""
-        return len(self._free) + len(self._lru)
-
-    @property
-    def num_used(self) -> int:
-        """Blocks swapped requests hold."""
-        return self.num_blocks - len(self._free) - len(self._lru)
-
     def is_demoted(self, block: int) -> bool:
         return block in self._lru
-
-    def lru_order(self) -> list[int]:
-        """Demoted blocks, next victim first."""
-        return list(self._lru)
 
     def next_victim(self) -> int | None:
         """The demoted block the next allocation without free blocks would take."""

@@ -14,9 +14,11 @@ from __future__ import annotations
 import bisect
 import math
 from collections import Counter, deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
-from kvstore.protocol import DecisionKind, DecisionMode, PreemptMode
+import msgspec
+
+from kvstore.protocol import DecisionKind, DecisionMode, DecisionRow, PreemptMode
 
 Mode = PreemptMode  # "swap" | "recompute"
 
@@ -145,34 +147,15 @@ def choose_prefix_load(
     return Choice("recompute", "recompute is cheaper", load_s, recompute_s)
 
 
-@dataclass
-class Decision:
-    """One preemption, as decided; ``actual_s`` is filled in when the cost is known (swap: out +
-    in, measured by the kvstore; recompute: reported by the worker that redid the prefill)."""
-
-    id: int
-    kind: DecisionKind
-    req_id: str
-    at: float
-    mode: DecisionMode
-    reason: str
-    blocks: int
-    tokens: int
-    predicted_swap_s: float | None
-    predicted_recompute_s: float | None
-    actual_s: float | None = None
-
-    @property
-    def predicted_s(self) -> float | None:
-        return self.predicted_recompute_s if self.mode == "recompute" else self.predicted_swap_s
-
-
 class DecisionLog:
-    """The last ``capacity`` decisions plus per-mode totals (owned by the ``KVCacheManager``)."""
+    """The last ``capacity`` decisions plus per-mode totals (owned by the ``KVCacheManager``).
+    A decision is kept as the row the stats reply carries (``protocol.DecisionRow``); its
+    ``actual_s`` is filled in when the cost is known (swap: out + in, measured by the kvstore;
+    recompute: reported by the worker that redid the prefill)."""
 
     def __init__(self, capacity: int = 256) -> None:
-        self._recent: deque[Decision] = deque(maxlen=capacity)
-        self._by_id: dict[int, Decision] = {}
+        self._recent: deque[DecisionRow] = deque(maxlen=capacity)
+        self._by_id: dict[int, DecisionRow] = {}
         self.counts: Counter[str] = Counter({"swap": 0, "recompute": 0})  # preemptions
         self.prefix_counts: Counter[str] = Counter({"load": 0, "recompute": 0})
         self._next_id = 0
@@ -185,8 +168,8 @@ class DecisionLog:
         tokens: int,
         choice: Choice,
         kind: DecisionKind = "preempt",
-    ) -> Decision:
-        decision = Decision(
+    ) -> DecisionRow:
+        decision = DecisionRow(
             self._next_id,
             kind,
             req_id,
@@ -197,6 +180,7 @@ class DecisionLog:
             tokens,
             choice.predicted_swap_s,
             choice.predicted_recompute_s,
+            None,
         )
         self._next_id += 1
         if len(self._recent) == self._recent.maxlen:
@@ -213,7 +197,7 @@ class DecisionLog:
             decision.actual_s = (decision.actual_s or 0.0) + seconds
 
     def recent(self) -> list[dict[str, object]]:
-        return [asdict(d) for d in self._recent]
+        return [msgspec.structs.asdict(d) for d in self._recent]
 
 
 # --------------------------------------------------------------------------- recalibration

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import zmq
 
-from contracts.checkpoints import MODEL_HELP
+from contracts import options
 from contracts.endpoints import DEFAULT_ENDPOINT, TOKEN_ENV, env_token
 from contracts.heap import tune_gc_for_serving
 from kvstore import protocol as p
@@ -46,24 +46,11 @@ REFUSAL_LOG_INTERVAL_S = 10.0
 
 @dataclass(frozen=True)
 class KVStoreConfig:
-    model: str = field(
-        default="tiny",
-        metadata={"help": f"{MODEL_HELP}: its config gives the KV geometry"},
-    )
-    dtype: str = field(
-        default="auto",
-        metadata={
-            "help": "KV dtype; 'auto' takes the model config's",
-            "choices": ["auto", "float32", "float16", "bfloat16"],
-        },
-    )
-    device: str = field(
-        default="auto",
-        metadata={
-            "help": "where the pool lives: 'cuda', 'cuda:N', 'cpu' (a /dev/shm file of mode "
-            "0600, for workers of this user; files dead kvstores left there are removed at "
-            "startup) or 'auto'"
-        },
+    model: str = options.model(": its config gives the KV geometry")
+    dtype: str = options.dtype("KV dtype; 'auto' takes the model config's")
+    device: str = options.device(
+        "where the pool lives: 'cuda', 'cuda:N', 'cpu' (a /dev/shm file of mode 0600, for workers "
+        "of this user; files dead kvstores left there are removed at startup) or 'auto'"
     )
     block_size: int = field(default=16, metadata={"help": "tokens per KV block (a power of two)"})
     kv_memory: str = field(
@@ -136,7 +123,7 @@ class KVStoreConfig:
         default=True,
         metadata={"help": "measure swap bandwidth at startup (the swap side of the cost model)"},
     )
-    log_level: str = field(default="INFO", metadata={"help": "logging level"})
+    log_level: str = options.log_level()
 
 
 def disable_expandable_segments() -> None:
@@ -373,9 +360,7 @@ def run(config: KVStoreConfig) -> None:
         daemon = Daemon(config.endpoint, env_token(), config.busy_poll)
     except EndpointError as err:
         raise SystemExit(f"pagedserve kvstore: {err}") from None
-    logging.basicConfig(
-        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    options.configure_logging(config.log_level)
     if daemon.stale_socket_removed:
         log.info("replaced a stale socket file (no daemon answered on it) at %s", config.endpoint)
     try:

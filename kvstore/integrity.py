@@ -1,23 +1,26 @@
-"""The KVCacheManager's invariants, checked from the outside (tests call it after every step)."""
+"""The KVCacheManager's invariants, checked from the outside (tests call it after every step)
+over the block store and the requests that ``KVCacheManager.check_integrity`` hands in."""
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from kvstore.requests import Status, cdiv, table_blocks
+from kvstore.requests import Request, Status, cdiv, table_blocks
 
 if TYPE_CHECKING:
-    from kvstore.manager import KVCacheManager
+    from kvstore.block_store import BlockStore
 
 
-def check_integrity(manager: KVCacheManager) -> None:
-    """Raises AssertionError on the first broken invariant."""
+def check_integrity(store: BlockStore, requests: Mapping[str, Request], bs: int) -> None:
+    """Raises AssertionError on the first broken invariant of a manager's ``store`` and
+    ``requests`` (blocks of ``bs`` tokens)."""
 
-    pool, index, bs = manager.pool, manager.index, manager.block_size
+    pool, index = store.pool, store.index
     holders: Counter[int] = Counter()
     cpu_held: list[int] = []
-    for req_id, r in manager.requests.items():
+    for req_id, r in requests.items():
         assert r.req_id == req_id
         assert 0 <= r.num_computed <= len(r.token_ids), f"{req_id}: computed past its tokens"
         assert len(r.contents) == len(r.keys) == len(r.token_ids) // bs, f"{req_id}: hashes"
@@ -42,4 +45,4 @@ def check_integrity(manager: KVCacheManager) -> None:
         assert pool.ref_counts[block] == holders[block], (
             f"block {block}: ref {pool.ref_counts[block]}, held by {holders[block]} table entries"
         )
-    manager.store.check_integrity(cpu_held)
+    store.check_integrity(cpu_held)

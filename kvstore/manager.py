@@ -551,7 +551,7 @@ class KVCacheManager:
         """Raises AssertionError unless every block is in exactly one state, ref counts equal the
         number of block-table entries naming each block, cache flags match the index, and every
         request's table fits its tokens."""
-        check_integrity(self)
+        check_integrity(self.store, self.requests, self.block_size)
 
     # ------------------------------------------------------------------ internals
     def _get(self, req_id: str) -> Request:

@@ -75,7 +75,9 @@ class KVService:
                 log.info("worker %s left; %d requests orphaned", body.worker_id, len(orphaned))
                 return p.Ack()
             case p.GetStats():
-                return build_stats(self, body.top_prefixes, now)
+                return build_stats(
+                    self.manager, self.mover.block_bytes, self.leases, body.top_prefixes, now
+                )
             case p.ResetCache():
                 blocks = self.manager.reset_prefix_cache()
                 log.info("prefix cache reset: %d blocks unregistered", blocks)

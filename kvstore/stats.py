@@ -8,8 +8,8 @@ from kvstore import protocol as p
 from kvstore.requests import Status
 
 if TYPE_CHECKING:
+    from kvstore.leases import Leases
     from kvstore.manager import KVCacheManager
-    from kvstore.service import KVService
 
 
 STATUS: dict[Status, p.RequestStatus] = {
@@ -19,8 +19,10 @@ STATUS: dict[Status, p.RequestStatus] = {
 }
 
 
-def build_stats(service: KVService, top: int, now: float) -> p.Stats:
-    m = service.manager
+def build_stats(
+    m: KVCacheManager, block_bytes: int, leases: Leases, top: int, now: float
+) -> p.Stats:
+    """The service's stats: its manager ``m``, the bytes of one block, the workers' ``leases``."""
     pool, cpu, index = m.pool, m.cpu, m.index
     per_worker: dict[str, int] = {}
     for r in m.requests.values():
@@ -28,7 +30,7 @@ def build_stats(service: KVService, top: int, now: float) -> p.Stats:
     cal = m.pricing.calibration
     return p.Stats(
         block_size=m.block_size,
-        block_bytes=service.mover.block_bytes,
+        block_bytes=block_bytes,
         admission_limit_blocks=m.admission_limit_blocks,
         gpu=p.TierStats(pool.num_blocks, pool.num_free, pool.num_used, pool.num_cached_free),
         cpu=p.TierStats(cpu.num_blocks, cpu.num_free, cpu.num_used, cpu.num_demoted),
@@ -67,7 +69,7 @@ def build_stats(service: KVService, top: int, now: float) -> p.Stats:
                 now - w.timeline_at if w.timeline is not None else 0.0,
                 m.pricing.origins.get(w.worker_id),
             )
-            for w in service.leases.workers.values()
+            for w in leases.workers.values()
         ],
         calibration=None
         if cal is None

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pagedserve.bench import BenchConfig
+    from pagedserve.bench_config import BenchConfig
 
 __all__ = ["PERCENTILES", "Result", "percentiles", "report", "summarize"]
 

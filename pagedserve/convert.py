@@ -11,22 +11,24 @@ from __future__ import annotations
 import logging
 import signal
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from contracts.checkpoints import MODEL_HELP, SMOLLM2, converted_dir, gguf_source, resolve_model
+from contracts import options
+from contracts.checkpoints import SMOLLM2, converted_dir, gguf_source, resolve_model
+from pagedserve.procs import spawn_process
 
 log = logging.getLogger("pagedserve")
 
 
 @dataclass(frozen=True)
 class ConvertConfig:
-    model: str = field(default=SMOLLM2, metadata={"help": MODEL_HELP})
+    model: str = options.model("", SMOLLM2)
 
 
 def run_convert(config: ConvertConfig) -> None:
     """Converts ``config.model`` if it is a GGUF model not converted yet; prints the checkpoint
     directory (or ``tiny``). A model that cannot be found or read: one line, exit status 1."""
-    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    options.configure_logging("INFO")
     try:
         print(resolve_model(config.model), flush=True)
     except FileNotFoundError as err:
@@ -43,8 +45,6 @@ def convert_before_start(model: str) -> None:
     """For ``up``: exits with one line if ``model`` cannot be found; converts a GGUF model not
     converted yet in a ``pagedserve convert`` child (its progress on this terminal). Ctrl-C
     stops it (it removes what it wrote) and exits."""
-    from pagedserve.cli import spawn_process  # pagedserve.cli imports this module first
-
     try:
         source = gguf_source(model)
         if source is None or converted_dir(source).is_dir():

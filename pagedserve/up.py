@@ -23,10 +23,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from contracts.checkpoints import MODEL_HELP, SMOLLM2
+from contracts import options
+from contracts.checkpoints import SMOLLM2
 from contracts.endpoints import STACK_ENDPOINT, for_port
 from gateway.config import ADMIN_TOKEN_ENV, GatewayConfig
 from gateway.metrics import MULTIPROC_ENV
+from pagedserve.procs import spawn_process
 from pagedserve.supervisor import (
     ChildSpec,
     Interrupted,
@@ -45,15 +47,9 @@ EARLIER_REDIS_DIR = ".pagedserve/redis"  # every port's, before --redis-dir had 
 
 @dataclass(frozen=True)
 class UpConfig:
-    model: str = field(
-        default=SMOLLM2,
-        metadata={"help": f"{MODEL_HELP}; converted before the stack starts, if need be"},
-    )
-    device: str = field(
-        default="auto",
-        metadata={
-            "help": "'cuda', 'cpu' or 'auto': cuda when there is a GPU (kvstore and workers)"
-        },
+    model: str = options.model("; converted before the stack starts, if need be", SMOLLM2)
+    device: str = options.device(
+        "'cuda', 'cpu' or 'auto': cuda when there is a GPU (kvstore and workers)"
     )
     workers: int = field(
         default=1,
@@ -156,7 +152,7 @@ def run_up(config: UpConfig) -> None:
     one failed more than ``max_restarts`` times in a row."""
     from pagedserve.redis_server import RedisServer, RedisWatch
 
-    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    options.configure_logging("INFO")
     try:
         policy = RestartPolicy(
             backoff_s=config.restart_backoff_s,
@@ -219,8 +215,6 @@ def _start_stack(
     import shlex
     from functools import partial
 
-    # pagedserve.cli imports this module (UpConfig) first: its helpers are imported here.
-    from pagedserve.cli import spawn_process
     from pagedserve.probe import probe_gateway, probe_kvstore, probe_worker
 
     timeout_s, children = config.startup_timeout_s, child_popen_options()

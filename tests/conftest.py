@@ -1,4 +1,4 @@
-"""Shared fixtures: a real Redis server and a real kvstore daemon process."""
+"""Shared fixtures: a real Redis server, a real kvstore daemon process, the tiny model."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from pagedserve.redis_server import EmbeddedRedis
 
 if TYPE_CHECKING:  # redis-py 6 (the GPU host's) has no StreamEntry
     from redis.typing import StreamEntry
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 # Without CUDA, Triton kernels run in the interpreter. TRITON_INTERPRET must be set before any
 # @triton.jit function is defined, i.e. before any test module imports a kernel: here, first.
@@ -61,10 +62,21 @@ def redis_client(redis_url: str) -> Iterator[object]:
     client.close()
 
 
+@pytest.fixture(scope="module")
+def tiny() -> tuple[PreTrainedModel, PreTrainedTokenizerBase, PreTrainedModel]:
+    """The tiny model the engine tests serve, loaded once per module: (model, tokenizer, its
+    reference)."""
+    from compute.models import load_model
+    from tests.compute.driver import reference_model
+
+    model, tokenizer = load_model("tiny", "float32", "cpu")
+    return model, tokenizer, reference_model(model)
+
+
 def start_kvstore(*flags: str, endpoint: str = "") -> tuple[subprocess.Popen[bytes], str]:
     """Starts `pagedserve kvstore` on CPU on ``endpoint`` (default: a fresh ipc endpoint);
     returns once it answers."""
-    from pagedserve.cli import spawn_kvstore
+    from pagedserve.procs import spawn_kvstore
 
     endpoint = endpoint or f"ipc:///tmp/pagedserve-test-{uuid.uuid4().hex[:8]}.sock"
     process = spawn_kvstore(

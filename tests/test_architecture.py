@@ -1,7 +1,8 @@
 """The architecture as docs/architecture.md states it: who may import whom (checked on the
-source, lazy imports included, and by importing every module in a fresh interpreter), every
-module the document names exists, and its Redis keys are the code's. Also every file or folder
-that README.md, docs/*.md, bench/README.md and BENCHMARKS.md name exists."""
+source, lazy imports included, and by importing every module in a fresh interpreter), no import
+circle between modules, every module the document names exists, and its Redis keys are the
+code's. Also every file or folder that README.md, docs/*.md, bench/README.md and BENCHMARKS.md
+name exists."""
 
 from __future__ import annotations
 
@@ -87,6 +88,83 @@ def test_no_import_crosses_a_boundary_when_loaded(package: str) -> None:
     loaded = json.loads(out.stdout.splitlines()[-1])
     crossings = [m for m in loaded if not allowed(package, m) and m not in OURS]
     assert not crossings, crossings
+
+
+def module_graph() -> dict[str, dict[str, int]]:
+    """Module -> the modules of ours it imports -> the line of the first such import: every
+    ``import`` in the file (in functions and under ``TYPE_CHECKING`` too), ``from a import b``
+    naming the module ``a.b`` where there is one, else ``a``."""
+    paths = {
+        ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): path
+        for package in OURS
+        for path in (ROOT / package).rglob("*.py")
+    }
+    graph: dict[str, dict[str, int]] = {}
+    for module, path in paths.items():
+        edges = graph.setdefault(module, {})
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [
+                    f"{node.module}.{alias.name}"
+                    if f"{node.module}.{alias.name}" in paths
+                    else node.module
+                    for alias in node.names
+                ]
+            else:
+                continue
+            for name in names:
+                if name in paths and name != module:
+                    edges.setdefault(name, node.lineno)
+    return graph
+
+
+def import_cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for imported in graph[module]:
+            if imported not in index:
+                visit(imported)
+                low[module] = min(low[module], low[imported])
+            elif imported in stack:
+                low[module] = min(low[module], index[imported])
+        if low[module] == index[module]:
+            component = [stack.pop()]
+            while component[-1] != module:
+                component.append(stack.pop())
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return cycles
+
+
+def test_no_import_circle_between_modules() -> None:
+    """No module of ours reaches itself through imports, lazy and type-only ones included: a
+    piece two modules need lives in a third that both import (``pagedserve.procs``,
+    ``gateway.model_info``, ``pagedserve.bench_config``)."""
+    graph = module_graph()
+    assert "pagedserve.up" in graph["pagedserve.cli"], "the graph holds the imports"
+    circles = [
+        [f"{a}:{graph[a][b]} -> {b}" for a in cycle for b in graph[a] if b in cycle]
+        for cycle in import_cycles(graph)
+    ]
+    assert not circles, circles
+
+
+def test_the_circle_check_finds_a_circle() -> None:
+    graph = {"a": {"b": 1}, "b": {"c": 2}, "c": {"a": 3}, "d": {"a": 4}}
+    assert import_cycles(graph) == [["a", "b", "c"]]
 
 
 def test_contracts_and_the_kvstore_client_side_are_torch_free() -> None:

@@ -26,11 +26,11 @@ from contracts import queue_keys
 from contracts.records import Guide, OutputRecord, RequestRecord, SamplingParams
 from kvstore import protocol as p
 from kvstore.client import KVClient
-from pagedserve.cli import wait_for_workers
+from pagedserve.procs import wait_for_workers
 from tests.compute.faulty_worker import KILL_SEED, POISON_LOGPROBS, SLOW_S, SLOW_SEED
 from tests.compute.serving import submit
 from tests.conftest import ROOT, entry_record, start_kvstore, stop_process
-from tests.gateway.conftest import Stack
+from tests.stack import Stack
 
 # the requests that run beside each poisoned one, one per kind of per-request work
 NORMAL: dict[str, tuple[bytes, SamplingParams]] = {

@@ -1,7 +1,7 @@
 """``Intake.gone``: which gateways have been missing long enough for their requests to end
 (pure bookkeeping over the times given; the engine's end of their requests is tested through
-real gateways in ``tests/test_up_gateways.py``). Taking over: against a real Redis, a worker
-takes over a dead worker's requests, never its own that were idle through a long step."""
+real gateways in ``tests/pagedserve/test_up_gateways.py``). Taking over: against a real Redis, a
+worker takes over a dead worker's requests, never its own that were idle through a long step."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from compute.registry import Requests
 from compute.scheduler import Scheduler, SchedulerConfig
 from contracts import queue_worker
 from contracts.tokenizer import load_tokenizer, output_decoder
-from tests.test_up import submit
+from tests.pagedserve.test_up import submit
 
 CLAIM_IDLE_MS = 300
 LONG_STEP_S = 0.6  # longer than CLAIM_IDLE_MS: the entries of a worker that did not renew them

@@ -9,7 +9,7 @@ from compute.publisher import Publisher, Replies, resp_commands
 from contracts import queue_keys, queue_worker
 from contracts.records import OutputRecord
 from tests.conftest import entry_record
-from tests.gateway.redis_contract import V, collect, request, run, submit_all
+from tests.contracts.redis_contract import V, collect, request, run, submit_all
 
 
 def test_resp_commands_are_what_redis_py_sends() -> None:

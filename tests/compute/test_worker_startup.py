@@ -14,7 +14,7 @@ from compute.scheduler import SchedulerConfig
 from compute.worker import ComputeConfig
 from kvstore import protocol as p
 from kvstore.client import KVClient
-from pagedserve.cli import spawn_process, wait_for_workers
+from pagedserve.procs import spawn_process, wait_for_workers
 from tests.conftest import start_kvstore, stop_process
 
 DB = 9

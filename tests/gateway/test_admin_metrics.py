@@ -15,10 +15,10 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig
-from gateway.prepare import ModelInfo
+from gateway.model_info import ModelInfo
 from tests.conftest import start_kvstore, stop_process
-from tests.gateway.conftest import ADMIN_TOKEN, Stack, run
 from tests.gateway.test_bad_input import ok_completion, post
+from tests.stack import ADMIN_TOKEN, Stack, run
 
 ADMIN_ROUTES = [
     ("GET", "/admin/cache"),

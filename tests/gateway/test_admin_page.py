@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 import pytest
 
 from tests.conftest import ROOT
-from tests.gateway.conftest import ADMIN_TOKEN, Stack
+from tests.stack import ADMIN_TOKEN, Stack
 
 try:
     from selenium import webdriver

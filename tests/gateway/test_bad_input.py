@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.gateway.conftest import MAX_BODY_BYTES, Stack
+from tests.stack import MAX_BODY_BYTES, Stack
 
 
 def post(stack: Stack, path: str, body: bytes | dict[str, Any]) -> tuple[int, Any]:

@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.gateway.conftest import Gateway, Stack
+from tests.stack import Gateway, Stack
 
 BODIES = 2000
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"

@@ -21,7 +21,8 @@ from contracts.tokenizer import BOS
 from gateway.config import GatewayConfig
 from gateway.generation import Delta, Generation, GenerationError
 from gateway.metrics import Metrics
-from gateway.prepare import ModelInfo, prepare_completion
+from gateway.model_info import ModelInfo
+from gateway.prepare import prepare_completion
 from gateway.router import OutputRouter
 from gateway.schemas import CompletionRequest
 

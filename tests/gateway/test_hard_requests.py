@@ -13,7 +13,7 @@ from typing import Any
 import openai
 import pytest
 
-from tests.gateway.conftest import Stack, running_stack
+from tests.stack import Stack, running_stack
 
 POOL_TOKENS = 65 * 16
 

@@ -7,7 +7,7 @@ import pytest
 from gateway.config import GatewayConfig
 from gateway.errors import APIError
 from gateway.limits import KVCapacity, Limits
-from gateway.prepare import ModelInfo
+from gateway.model_info import ModelInfo
 from kvstore.protocol import LOOKAHEAD_SLOTS
 
 

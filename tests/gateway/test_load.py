@@ -13,7 +13,7 @@ import redis
 
 from contracts import queue_keys, queue_worker
 from tests.conftest import entry_record
-from tests.gateway.conftest import (
+from tests.stack import (
     Stack,
     Streamed,
     run,

@@ -16,7 +16,7 @@ from openai.types.chat import ChatCompletionChunk, ChatCompletionMessageParam
 
 from compute.models import load_model
 from tests.compute.driver import reference_model
-from tests.gateway.conftest import Stack
+from tests.stack import Stack
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from typing import Any
 
 import aiohttp
 
-from tests.gateway.conftest import Stack, run
+from tests.stack import Stack, run
 
 SHARED, OWN, REQUESTS, BLOCK = 2048, 100, 100, 16
 

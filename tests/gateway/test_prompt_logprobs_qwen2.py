@@ -14,7 +14,7 @@ import torch
 
 from compute.models import byte_tokenizer, load_model, tiny_family_config
 from tests.compute.driver import paged_model, reference_model
-from tests.gateway.conftest import Stack, running_stack
+from tests.stack import Stack, running_stack
 
 
 @pytest.fixture(scope="module")

@@ -25,9 +25,9 @@ import redis
 from contracts import queue_keys
 from contracts.model_config import tiny_config
 from contracts.tokenizer import byte_tokenizer
-from pagedserve.cli import spawn_process
+from pagedserve.procs import spawn_process
 from tests.conftest import entry_record
-from tests.gateway.conftest import Stack, run, stream_completion
+from tests.stack import Stack, run, stream_completion
 
 NO_WORKER_DB = 7  # a Redis database no worker reads: requests wait forever
 

@@ -7,7 +7,7 @@ import socket
 import time
 import urllib.parse
 
-from tests.gateway.conftest import Stack
+from tests.stack import Stack
 
 TIMEOUT_S = 2.0
 BOUND_S = 20.0  # the connection is closed within this after the deadline, on a loaded machine

@@ -29,8 +29,8 @@ from transformers import AutoModelForCausalLM
 
 from contracts.checkpoints import CACHE_ENV, SMOLLM2
 from contracts.tokenizer import load_tokenizer
-from pagedserve.cli import spawn_process
-from tests.gateway.conftest import Stack, running_stack
+from pagedserve.procs import spawn_process
+from tests.stack import Stack, running_stack
 
 MAX_TOKENS = 24
 STREAMED = 5  # of the questions also asked with stream=True, in the same batch

@@ -24,7 +24,7 @@ from contracts.endpoints import DEFAULT_ENDPOINT, TOKEN_ENV, default_endpoint, r
 from gateway.kvclient import AsyncKVClient
 from kvstore import protocol as p
 from kvstore.client import KVClient, KVStoreError
-from pagedserve.cli import spawn_kvstore
+from pagedserve.procs import spawn_kvstore
 from tests.conftest import ROOT, stop_process
 
 SMALL = ["--device", "cpu", "--kv-memory", "0.01GiB", "--swap-memory", "0", "--no-calibrate"]

@@ -271,8 +271,8 @@ supervisor.run()
 def test_a_killed_kvstore_daemon_is_restarted(supervisors: list[Supervisor]) -> None:
     """A real `pagedserve kvstore` under the supervisor: SIGKILLed, it is started again on the
     same endpoint and answers a ping (what `pagedserve up` does; workers are not involved)."""
-    from pagedserve.cli import spawn_process
     from pagedserve.probe import ProbeFailed, probe_kvstore
+    from pagedserve.procs import spawn_process
 
     endpoint = f"ipc:///tmp/pagedserve-sup-{uuid.uuid4().hex[:8]}.sock"
     flags = ["--endpoint", endpoint, "--model", "tiny", "--device", "cpu", "--kv-memory", "0.01GiB"]

@@ -1,9 +1,10 @@
 """docker-compose.yml, docker-compose.cpu.yml, the Dockerfiles and .dockerignore, checked without
-a Docker engine (the GPU hosts have none; tests/test_compose_run.py runs the CPU stack for real).
+a Docker engine (the GPU hosts have none; tests/e2e/test_compose_run.py runs the CPU stack for
+real).
 
 Each service's command goes through the real `pagedserve` argparse parser and each healthcheck
 through the probe's parser, so a renamed flag or subcommand breaks this test, not a deployment.
-(The probes themselves, against real processes: tests/test_probes.py.)
+(The probes themselves, against real processes: tests/pagedserve/test_probes.py.)
 """
 
 from __future__ import annotations

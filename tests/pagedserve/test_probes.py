@@ -1,6 +1,6 @@
 """The health probes (`pagedserve/probe.py`) against real processes: a kvstore, a worker, a
 gateway, and a stand-in HTTP server; run as a container healthcheck runs them (their compose
-wiring: tests/test_compose_files.py)."""
+wiring: tests/e2e/test_compose_files.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from pagedserve import cli, probe
+from pagedserve import probe, procs
 from pagedserve.redis_server import free_port
 from tests.conftest import ROOT, start_kvstore, stop_process
 
@@ -78,12 +78,12 @@ def test_probe_worker_and_gateway(kvstore_endpoint: str, redis_url: str) -> None
     health = f"http://127.0.0.1:{port}/health"
     shared = ["--model", "tiny", "--kvstore", kvstore_endpoint, "--redis-url", redis_url]
     quiet: dict[str, Any] = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
-    gateway = cli.spawn_process(
+    gateway = procs.spawn_process(
         "gateway", [*shared, "--host", "127.0.0.1", "--port", str(port)], **quiet
     )
-    worker = cli.spawn_process("compute", [*shared, "--device", "cpu"], **quiet)
+    worker = procs.spawn_process("compute", [*shared, "--device", "cpu"], **quiet)
     try:
-        cli.wait_for_workers(kvstore_endpoint, 1, [worker, gateway], 90)
+        procs.wait_for_workers(kvstore_endpoint, 1, [worker, gateway], 90)
         result = run_probe("worker", kvstore_endpoint)
         assert result.returncode == 0, result.stderr
         assert f"worker {socket.gethostname()}-{worker.pid} " in result.stdout
@@ -145,9 +145,9 @@ def test_a_worker_that_lost_its_kvstore_stops_on_one_signal(redis_url: str) -> N
         "--model", "tiny", "--kv-memory", "0.01GiB", "--swap-memory", "0", "--no-calibrate"
     )
     flags = ["--model", "tiny", "--kvstore", endpoint, "--redis-url", redis_url, "--device", "cpu"]
-    worker = cli.spawn_process("compute", flags, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    worker = procs.spawn_process("compute", flags, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
-        cli.wait_for_workers(endpoint, 1, [worker, kvstore], 90)
+        procs.wait_for_workers(endpoint, 1, [worker, kvstore], 90)
         kvstore.kill()
         kvstore.wait(10)
         time.sleep(12)  # the worker's next call to the kvstore times out (10 s): it retries

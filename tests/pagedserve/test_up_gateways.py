@@ -13,8 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from pagedserve.redis_server import free_port
-from tests.test_up import stream_one_completion, up_command
-from tests.test_up_supervised import child_pids, start_logged, wait_for
+from tests.pagedserve.test_up import stream_one_completion, up_command
+from tests.pagedserve.test_up_supervised import child_pids, start_logged, wait_for
 
 
 def gateway_pids(up: subprocess.Popen[bytes]) -> set[int]:

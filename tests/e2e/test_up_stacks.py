@@ -11,8 +11,8 @@ from pathlib import Path
 
 from contracts.endpoints import STACK_ENDPOINT, for_port
 from pagedserve.redis_server import free_port
-from tests.test_up import stream_one_completion, up_env
-from tests.test_up_supervised import wait_for
+from tests.pagedserve.test_up import stream_one_completion, up_env
+from tests.pagedserve.test_up_supervised import wait_for
 
 
 def up_without_flags(port: int, *flags: str) -> list[str]:

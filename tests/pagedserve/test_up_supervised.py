@@ -20,7 +20,7 @@ import redis
 from kvstore import protocol as p
 from kvstore.client import KVClient
 from pagedserve.redis_server import free_port
-from tests.test_up import stream_one_completion, up_command, up_env
+from tests.pagedserve.test_up import stream_one_completion, up_command, up_env
 
 
 def wait_for(what: str, check: object, timeout_s: float, up: subprocess.Popen[bytes]) -> None:

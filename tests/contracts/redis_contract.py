@@ -1,5 +1,5 @@
 """What the Redis-contract tests share: records and small async helpers (their fixtures, ``url``
-and ``r``, are in ``tests/gateway/conftest.py``)."""
+and ``r``, are in ``tests/contracts/conftest.py``)."""
 
 from __future__ import annotations
 

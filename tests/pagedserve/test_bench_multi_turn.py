@@ -17,11 +17,12 @@ import aiohttp
 
 from bench.multi_turn import Plan
 from kvstore.device import blocks_for_memory
-from pagedserve.bench import BenchConfig, Client, tokenizer_of
+from pagedserve.bench import Client, tokenizer_of
+from pagedserve.bench_config import BenchConfig
 from pagedserve.bench_report import Result
 from pagedserve.bench_workloads import TextMaker, build
 from tests.conftest import ROOT
-from tests.gateway.conftest import Stack
+from tests.stack import Stack
 
 
 class Recording(Client):

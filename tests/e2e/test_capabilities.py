@@ -24,7 +24,7 @@ from pagedserve.redis_server import free_port
 from tests.checkpoints import save_char_level_checkpoint
 from tests.compute.serving import submit
 from tests.conftest import entry_record
-from tests.test_up import up_command, up_env, wait_final
+from tests.pagedserve.test_up import up_command, up_env, wait_final
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 

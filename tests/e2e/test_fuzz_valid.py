@@ -34,7 +34,7 @@ from kvstore import protocol as p
 from kvstore.client import KVClient
 from pagedserve.redis_server import free_port
 from tests.checkpoints import save_bpe_checkpoint, save_char_level_checkpoint
-from tests.test_up import up_command, up_env
+from tests.pagedserve.test_up import up_command, up_env
 
 REQUESTS = 160  # per tokenizer kind
 CONCURRENCY = 24

@@ -12,7 +12,7 @@ import redis.asyncio
 
 from contracts import queue_gateway, queue_keys, queue_worker
 from contracts.records import OutputRecord, Streamed, StreamedSequence, encode
-from tests.gateway.redis_contract import V, as_bytes, collect, request, run, submit_all
+from tests.contracts.redis_contract import V, as_bytes, collect, request, run, submit_all
 
 
 def test_dead_worker_requests_are_claimed_and_resumed(r: redis.Redis, url: str) -> None:

@@ -24,7 +24,7 @@ from contracts.records import (
     decode_request,
     encode,
 )
-from tests.gateway.redis_contract import V, collect, request, run, submit_all
+from tests.contracts.redis_contract import V, collect, request, run, submit_all
 
 
 # ---------------------------------------------------------------- records

@@ -21,7 +21,7 @@ from contracts import queue_gateway, queue_worker
 from contracts.records import RequestRecord, SamplingParams, Streamed, StreamedSequence
 from kvstore import protocol as p
 from kvstore.client import KVClient
-from pagedserve.cli import spawn_process
+from pagedserve.procs import spawn_process
 from pagedserve.redis_server import free_port
 from tests.conftest import ROOT
 

@@ -32,8 +32,8 @@ import redis
 from kvstore import protocol as p
 from kvstore.client import KVClient, KVStoreLost
 from pagedserve.redis_server import free_port
-from tests.test_up import up_command, up_env
-from tests.test_up_supervised import child_pid, wait_for
+from tests.pagedserve.test_up import up_command, up_env
+from tests.pagedserve.test_up_supervised import child_pid, wait_for
 
 DEVICE = os.environ.get("PAGEDSERVE_FAULTS_DEVICE", "cpu")  # "cuda" on a GPU host
 # fp32 on CPU: a recomputed prefix gives the very logits a decode gave. bf16 on CUDA may not

@@ -1,6 +1,6 @@
 """docker-compose.cpu.yml laid over docker-compose.yml, docker/redis.Dockerfile and the build
 pieces they share (the base image argument, the wheel directory, the pip CA secret), checked
-without a Docker engine. tests/test_compose_run.py runs the same files in a real one."""
+without a Docker engine. tests/e2e/test_compose_run.py runs the same files in a real one."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 
 from kvstore.device import parse_memory
 from tests.conftest import ROOT
-from tests.test_compose_files import (
+from tests.e2e.test_compose_files import (
     ENV,
     PAGEDSERVE_SERVICES,
     Reset,

@@ -14,7 +14,7 @@ from typing import Any
 from pagedserve.bench import tokenizer_of
 from pagedserve.bench_workloads import TextMaker, build, parse_range
 from tests.conftest import ROOT
-from tests.gateway.conftest import Stack
+from tests.stack import Stack
 
 
 def bench(stack: Stack, tmp_path: Path, *flags: str) -> tuple[dict[str, Any], str, str]:
@@ -139,7 +139,8 @@ def test_the_engine_alone_bench_serves_the_requests_the_client_sends(tmp_path: P
 
     from bench.shapes import save_word_level_tokenizer, workload
     from gateway.config import GatewayConfig
-    from gateway.prepare import ModelInfo, prepare_chat
+    from gateway.model_info import ModelInfo
+    from gateway.prepare import prepare_chat
     from gateway.schemas import ChatRequest
 
     LlamaConfig(vocab_size=128256, max_position_embeddings=4096).save_pretrained(tmp_path)

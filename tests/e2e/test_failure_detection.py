@@ -29,11 +29,11 @@ from contracts.queue_keys import GATEWAY_TTL_S
 from contracts.records import StreamedSequence
 from kvstore import protocol as p
 from kvstore.client import KVClient
-from pagedserve.cli import spawn_process
+from pagedserve.procs import spawn_process
 from pagedserve.redis_server import free_port
 from tests.conftest import entry_record, start_kvstore, stop_process
-from tests.gateway.conftest import Gateway, wait_healthy, wait_listening
-from tests.test_up import submit
+from tests.pagedserve.test_up import submit
+from tests.stack import Gateway, wait_healthy, wait_listening
 
 BOUND_S = 25.0  # generous for a loaded 2-core machine; the fixed times were 30 s and 35 s
 NONE = StreamedSequence([])

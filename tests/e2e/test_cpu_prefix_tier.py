@@ -21,7 +21,7 @@ import pytest
 
 from kvstore import protocol as p
 from kvstore.client import KVClient
-from tests.gateway.conftest import Stack, running_stack
+from tests.stack import Stack, running_stack
 
 BLOCK_BYTES = 8192  # the tiny model, fp32
 POOL_BLOCKS = 24
