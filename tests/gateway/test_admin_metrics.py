@@ -70,10 +70,11 @@ def test_admin_pages(stack: Stack) -> None:
     assert cost["calibration"]["swap_out_gbps"] > 0  # the kvstore calibrated at startup
     [origin] = cost["profile_origins"].values()  # timed at its start-up, or an earlier one's
     assert origin["source"] in ("measured", "cached") and origin["measured_at"] > 0, origin
-    assert all(len(points) >= 2 for points in cost["prefill_profiles"].values())
+    # as many points as the worker's profile budget fit (the cheapest is always measured)
+    assert all(len(points) >= 1 for points in cost["prefill_profiles"].values())
     [recompute] = cost["recompute_profiles"].values()  # (tokens, context, seconds) per forward
     assert (
-        len(recompute) >= 4
+        len(recompute) >= 1
         and {c for _, c, _ in recompute} >= {0}
         and all(s > 0 for *_, s in recompute)
     )
