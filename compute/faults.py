@@ -8,7 +8,7 @@ exception there is logged once with its traceback and the request's id and stage
 marked failed (``Fault``: a message naming the cause, and whose fault it is: ``RequestError``'s
 code when the cause lies in the request, else "worker_error"), and the code after the boundary
 goes on for every other request; the engine then ends each failed request (an error record, its
-blocks freed: ``Engine.end_faults``).
+blocks freed: ``Session.end_faults``).
 
 Two kinds of exception pass through a boundary and are not a request's:
 - a fault of the device (a CUDA error, an out-of-memory error): the device, and with it every

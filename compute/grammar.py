@@ -12,7 +12,7 @@ The overlapped engine feeds a sequence's drawn token to the next step before the
 it, and a guided row's next mask needs that token. The mask is needed only to draw, after the
 forward pass: the engine enqueues step N+1's forward, then waits for step N's ids (the device
 runs N+1's forward meanwhile), lets the matchers accept them and computes N+1's masks
-(``ModelStep._catch_up``). A matcher that ended (or refused a token) allows only EOS: a row
+(``compute.launched.masked``). A matcher that ended (or refused a token) allows only EOS: a row
 drawn after its sequence stopped, which the lag makes possible, draws EOS and is dropped.
 """
 
@@ -29,7 +29,7 @@ from compute.transfer import to_device
 from contracts.guides import GuidesUnsupported, grammar_of, grammar_tokenizer
 from contracts.records import Guide
 
-__all__ = ["GrammarError", "Grammars", "GuidesUnsupported", "Masks", "mask_rows"]
+__all__ = ["GrammarError", "Grammars", "GrammarsOnce", "GuidesUnsupported", "Masks", "mask_rows"]
 
 _WORD = 32  # tokens per bitmask word
 
@@ -73,6 +73,27 @@ class Grammars:
         else:
             self._compiled.move_to_end(guide)
         return compiled.deep_copy()
+
+
+class GrammarsOnce:
+    """A worker's grammar compiler (its tokenizer's vocabulary, ``vocab_size`` wide: the
+    logits'), made at the first call, once; each call returns it. Raises ``RequestError``
+    (unsupported_parameter) for a model whose tokenizer the grammar engine cannot read."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> None:
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._made: Grammars | GuidesUnsupported | None = None
+
+    def __call__(self) -> Grammars:
+        if self._made is None:
+            try:
+                self._made = Grammars(self._tokenizer, self._vocab_size)
+            except GuidesUnsupported as err:
+                self._made = err
+        if isinstance(self._made, GuidesUnsupported):
+            raise RequestError(str(self._made), "unsupported_parameter")
+        return self._made
 
 
 class Masks:

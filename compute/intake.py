@@ -4,8 +4,8 @@
 engine is idle, keeps the worker's claim on its pending requests (``queue_worker.touch``), takes
 over those of dead workers (``queue_worker.claim_stale``), and tells which gateways have been gone
 long enough for their requests to end. It owns the requests read but not started yet, the lease
-clock and the gateways seen missing; the requests it starts belong to ``Requests``. The engine
-makes a new one whenever it (re)connects, with its new ``Requests``.
+clock and the gateways seen missing; the requests it starts belong to ``Requests``. Each engine
+session (``compute.session``) has its own, with its ``Requests``.
 """
 
 from __future__ import annotations
@@ -82,6 +82,11 @@ class Intake:
         for entry_id, record in taken:
             self._recent[-1].add(entry_id)
             self._enter(entry_id, record, None)
+
+    def found(self, requests: list[tuple[str, RequestRecord]]) -> None:
+        """Requests a Redis job read for this worker (now pending for it): started by the next
+        ``take``."""
+        self.incoming += requests
 
     def held(self) -> set[str]:
         """The entries this worker holds: its requests' and those read but not started."""

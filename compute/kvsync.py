@@ -1,12 +1,15 @@
 """The worker's side of the kvstore: one ``Step`` round trip per engine step keeps the kvstore's
 block tables and the scheduler's in step.
 
-``KVSync`` owns the kvstore bookkeeping between two steps: the forks and frees to send, the
-copy-on-write copies the kvstore asked for (the runner performs them before its next forward).
-``step`` sends the step's work, applies the reply to the scheduler (placements, new blocks,
-preemptions; while a running sequence got no block for its new tokens, it preempts the latest
-arrival and retries, one more round trip each) and returns the requests the kvstore refused for
-good (``Refusal``), for the engine to end with an error.
+``KVSync`` owns the kvstore bookkeeping between two steps, privately: the frees to send, the
+copy-on-write copies the kvstore asked for (the runner performs them before its next forward,
+``take_copies``), the copies seen complete, and the Step whose reply is not taken in yet.
+``submit`` builds the Step from what the step's processing handed it (what ended, forked, which
+copies it saw complete) and sends it without waiting; ``collect`` (one engine step later) takes
+the reply in: it applies it to the scheduler (placements, new blocks, preemptions; while a
+running sequence got no block for its new tokens, it preempts the latest arrival and retries, one
+more round trip each) and returns the requests the kvstore refused for good (``Refusal``), for
+the engine to end with an error.
 
 An error that says the kvstore's state is not what this worker thinks (an unknown request, one
 owned by another worker, a table that differs) raises ``Diverged``: the engine then rebuilds its
@@ -16,8 +19,10 @@ requests from Redis and adopts their blocks again, as after an outage.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass, field
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
 
 from compute.registry import Requests
 from compute.requests import Active
@@ -45,6 +50,15 @@ class Refusal:
 
 
 @dataclass(frozen=True)
+class Collected:
+    """What taking in a Step's reply gave: the requests refused for good, and the seconds spent
+    waiting for the reply."""
+
+    refusals: list[Refusal]
+    wait_s: float = 0.0
+
+
+@dataclass(frozen=True)
 class Sent:
     """A Step sent to the kvstore whose reply is not applied yet."""
 
@@ -57,35 +71,63 @@ class Sent:
     seqs: dict[str, Sequence]
 
 
-@dataclass
-class KVSync:
-    kv: KVClient
-    worker_id: str
-    requests: Requests
-    forks: dict[str, list[str]] = field(default_factory=dict)  # parent -> children, to send
-    frees: list[str] = field(default_factory=list)  # sequences to free, to send
-    finals: list[p.AppendItem] = field(default_factory=list)  # ended sequences' last progress
-    copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) the runner owes
-    copied: list[int] = field(default_factory=list)  # dst blocks of copies seen complete
-    # Makes the copies owed now and waits until no launched step can still write the pool;
-    # returns the copies' destinations. Called before a preemption, whose swap-out reads the
-    # victim's blocks and whose freed blocks may go to another request (which an owed copy
-    # made later would overwrite).
-    quiesce: Callable[[], list[int]] = field(default=lambda: [])
-    timeline: p.StepTimeline | None = None  # the engine's totals, for the next step to carry
+def final_item(seq: Sequence) -> p.AppendItem:
+    """An ended sequence's last progress, for the next Step (``Step.finals``): the blocks it
+    computed join the prefix index even if it is freed in the same step."""
+    return p.AppendItem(seq.seq_id, [], min(seq.num_done, seq.num_reported))
 
-    def send(self, computed: set[str]) -> Sent:
-        """Sends the step's forks and frees, reports the progress of every running sequence
-        ``computed`` this step or holding unreported tokens (decodes as one columnar
-        TokenBatch), resumes and admits what the scheduler places. Returns without waiting
-        for the reply (``receive``, then ``apply``). Until then the engine may launch a step
-        (which feeds tokens into the lookahead slots of the tables it has), process one
-        (tokens sampled meanwhile stay unreported) and end requests; it sends no other Step."""
-        scheduler = self.requests.scheduler
-        forks = [p.ForkItem(parent, children) for parent, children in self.forks.items()]
-        frees, self.forks, self.frees = self.frees, {}, []
-        finals, self.finals = self.finals, []
-        copied, self.copied = self.copied, []
+
+class KVSync:
+    def __init__(self, kv: KVClient, worker_id: str, requests: Requests) -> None:
+        self._kv = kv
+        self._worker_id = worker_id
+        self._requests = requests
+        self._frees: list[str] = []  # sequences to free, to send
+        self._copies: list[tuple[int, int]] = []  # (src, dst) the runner owes
+        self._sent: Sent | None = None  # the last Step, its reply not taken in yet
+
+    # ------------------------------------------------------------------ what others hand in
+    def free(self, seq_ids: list[str]) -> None:
+        """Frees these sequences with the next Step (no launched step writes them any more)."""
+        self._frees += seq_ids
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The copy-on-write copies (src, dst) the kvstore asked for, which the caller now
+        makes (the runner, before its next forward or a preemption); forgets them."""
+        copies, self._copies = self._copies, []
+        return copies
+
+    @property
+    def owed_copies(self) -> bool:
+        """Whether the runner owes copies the kvstore asked for."""
+        return bool(self._copies)
+
+    @property
+    def unanswered_reports(self) -> Mapping[str, int]:
+        """Sequences the last Step reported, whose reply is not applied yet -> the token count
+        it told the kvstore (a frozen view: tests compare it with the kvstore's)."""
+        return MappingProxyType(self._sent.reporting if self._sent is not None else {})
+
+    # ------------------------------------------------------------------ the lag
+    def submit(
+        self,
+        computed: set[str],
+        forks: Mapping[str, list[str]],
+        finals: list[p.AppendItem],
+        copied: list[int],
+        timeline: p.StepTimeline | None,
+    ) -> None:
+        """Sends the step's ``forks`` (parent -> children), ``finals`` (ended sequences' last
+        progress), the frees queued, the copies ``copied`` (seen complete), reports the progress
+        of every running sequence ``computed`` this step or holding unreported tokens (decodes
+        as one columnar TokenBatch), resumes and admits what the scheduler places; carries
+        ``timeline`` (the engine's totals) if given. Returns without waiting for the reply
+        (``collect``). Until then the engine may launch a step (which feeds tokens into the
+        lookahead slots of the tables it has), process one (tokens sampled meanwhile stay
+        unreported) and end requests; it sends no other Step."""
+        assert self._sent is None, "a Step's reply is not taken in yet"
+        scheduler = self._requests.scheduler
+        frees, self._frees = self._frees, []
         decodes, appends, reporting = [], [], {}
         for seq in scheduler.running():
             if len(seq.unreported) == 1 and seq.num_done == seq.num_reported:
@@ -106,55 +148,63 @@ class KVSync:
         )
         to_place = scheduler.to_place()
         body = p.Step(
-            self.worker_id,
+            self._worker_id,
             frees=frees,
             finals=finals,
-            forks=forks,
+            forks=[p.ForkItem(parent, children) for parent, children in forks.items()],
             appends=appends,
             tokens=tokens,
             resumes=[s.seq_id for s in to_place if s.status is SeqStatus.PREEMPTED],
             admits=[self._admit_item(s) for s in to_place if s.status is SeqStatus.WAITING],
-            timeline=self.timeline,
+            timeline=timeline,
             copied=copied,
         )
-        self.timeline = None
-        return Sent(body, self.kv.send(body), reporting, dict(scheduler.seqs))
+        self._sent = Sent(body, self._kv.send(body), reporting, dict(scheduler.seqs))
 
-    def receive(self, sent: Sent) -> p.StepReply:
-        """Waits for the reply to ``sent``; ``apply`` takes it in."""
-        reply = self.kv.receive(sent.body, sent.call_id)
+    def collect(self, settle: Callable[[], list[int]]) -> Collected:
+        """Waits for the reply to the Step sent last, if any, and takes it in (see ``_apply``).
+        ``settle`` makes the copies owed now and waits until no launched step can still write
+        the pool; it returns the copies' destinations. It is called before a preemption, whose
+        swap-out reads the victim's blocks and whose freed blocks may go to another request
+        (which an owed copy made later would overwrite)."""
+        if self._sent is None:
+            return Collected([])
+        sent, self._sent = self._sent, None
+        clock = time.perf_counter()
+        reply = self._kv.receive(sent.body, sent.call_id)
         assert isinstance(reply, p.StepReply)
-        return reply
+        wait_s = time.perf_counter() - clock
+        return Collected(self._apply(reply, sent.reporting, sent.seqs, settle), wait_s)
 
-    def apply(self, sent: Sent, reply: p.StepReply) -> list[Refusal]:
-        """Takes in the reply to ``sent`` (see ``_apply``); returns the refused requests."""
-        return self._apply(reply, sent.reporting, sent.seqs)
+    def forget(self) -> None:
+        """Gives up on the reply to the Step sent last (the engine rebuilds its state)."""
+        if self._sent is not None:
+            self._kv.forget(self._sent.call_id)
+            self._sent = None
 
-    def call(self, body: p.Step) -> p.StepReply:
-        return self.kv.call(body)
-
-    def ended(self, seq: Sequence) -> None:
-        """``seq`` ended: its last progress goes with the next step (``Step.finals``), so the
-        blocks it computed join the prefix index even if it is freed in the same step."""
-        self.finals.append(p.AppendItem(seq.seq_id, [], min(seq.num_done, seq.num_reported)))
-
+    # ------------------------------------------------------------------ applying a reply
     def _admit_item(self, seq: Sequence) -> p.AdmitItem:
-        owner = self.requests.owner(seq.seq_id)
+        owner = self._requests.owner(seq.seq_id)
         assert owner is not None, f"{seq.seq_id}: a sequence of no request"
-        adopt = seq.seq_id in self.requests.adopting
+        adopt = self._requests.adopts(seq.seq_id)
         reuse = owner.prompt_logprobs is None  # else a cached part would have no logits
         return p.AdmitItem(
             seq.seq_id, seq.token_ids, owner.record.salt, adopt=adopt, reuse_prefix=reuse
         )
 
     def _apply(
-        self, reply: p.StepReply, reporting: dict[str, int], sent: dict[str, Sequence]
+        self,
+        reply: p.StepReply,
+        reporting: dict[str, int],
+        sent: dict[str, Sequence],
+        settle: Callable[[], list[int]],
     ) -> list[Refusal]:
         """Takes in a step reply; while a running sequence got no block for its new tokens,
         preempts the latest arrival and retries (one more round trip each). Items about
         sequences that left since the Step was sent (not ``sent``'s any more) are dropped; one
         the kvstore admitted meanwhile is freed with the next Step (nothing ran on it)."""
-        scheduler, refusals = self.requests.scheduler, []
+        requests, refusals = self._requests, []
+        scheduler = requests.scheduler
         seqs = scheduler.seqs
 
         def live(seq_id: str) -> Sequence | None:
@@ -173,20 +223,17 @@ class KVSync:
                     scheduler.reported(seq_id, num_tokens)
             for grown in reply.appended:
                 if live(grown.req_id) is not None:
-                    self.copies += scheduler.grown(grown.req_id, grown.new_block_ids, grown.copies)
+                    self._copies += scheduler.grown(grown.req_id, grown.new_block_ids, grown.copies)
             for req_id, _mode in reply.preempted:
                 scheduler.preempted(req_id)
             for placed in reply.admitted:  # the kvstore knows every token we sent
                 if (seq := live(placed.req_id)) is None:
-                    self.frees.append(placed.req_id)
+                    self._frees.append(placed.req_id)
                     continue
                 scheduler.placed(
                     seq.seq_id, placed.block_ids, placed.num_computed, len(seq.token_ids)
                 )
-                owner = self.requests.owner(seq.seq_id)
-                assert owner is not None
-                owner.cached_tokens = placed.num_cached_tokens
-                self.requests.adopting.discard(seq.seq_id)
+                requests.admitted(seq.seq_id, placed.num_cached_tokens)
             for placed in reply.resumed:  # the kvstore knows what it held when preempted
                 if (seq := live(placed.req_id)) is None:
                     continue  # its request's end freed it
@@ -206,12 +253,12 @@ class KVSync:
                 return refusals
             victim = scheduler.victim()
             assert victim is not None, "no running sequence to preempt"
-            copied = self.quiesce()
+            copied = settle()
             retry = [seqs[r] for r in starved if r != victim.seq_id]
             reporting = {seq.seq_id: len(seq.token_ids) for seq in retry}
-            reply = self.call(
+            reply = self._kv.call(
                 p.Step(
-                    self.worker_id,
+                    self._worker_id,
                     copied=copied,
                     preempts=[victim.seq_id],
                     appends=[p.AppendItem(s.seq_id, s.unreported, s.num_done) for s in retry],
@@ -224,15 +271,15 @@ class KVSync:
         of what the kvstore no longer holds)."""
         if error.code == "no_space" or error.op in ("free", "final"):
             return None
-        if error.op == "admit" and error.req_id in self.requests.adopting:
+        if error.op == "admit" and self._requests.adopts(error.req_id):
             if error.code == "unknown_request":  # its blocks are gone: admit it, recompute
-                self.requests.adopting.discard(error.req_id)
+                self._requests.adoption_failed(error.req_id)
                 return None
             if error.code == "conflict":  # the kvstore's lease on the dead worker runs on
                 return None
         if error.code in _DIVERGED:
             raise Diverged(f"the kvstore refused {error.op} of {error.req_id!r}: {error.message}")
-        owner = self.requests.owner(error.req_id)
+        owner = self._requests.owner(error.req_id)
         if owner is None:
             log.error("the kvstore refused %s: %s", error.op, error.message)
             return None

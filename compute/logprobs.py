@@ -15,6 +15,7 @@ from functools import cached_property
 
 import torch
 
+from compute.faults import Faults
 from compute.requests import Active
 from compute.scheduler import Chunk
 from compute.transfer import to_device
@@ -62,6 +63,14 @@ class PromptLogprobs:
     owners: list[Active]
     positions: list[int]
     logprobs: Logprobs
+
+    def store_each(self, faults: Faults) -> None:
+        """Stores each row (``store``) inside its request's fault boundary."""
+        for i, owner in enumerate(self.owners):
+            try:
+                self.store(i)
+            except Exception as err:
+                faults.record(owner.record.req_id, "storing its prompt logprobs", err)
 
     def store(self, i: int) -> None:
         """Target ``i`` into its owner's ``prompt_logprobs`` (after ``Launched.wait``; an owner

@@ -3,7 +3,7 @@
 Each engine step hands one job (its deltas, the entries to ack, the requests and gateways to
 check, how many new requests it has room for) to ``submit``, which writes the job's commands
 (``queue_worker.step_pipeline``, then a non-blocking XREADGROUP) on a connection of its own and
-returns without waiting; their replies are read by ``wait``, a step later (before the next
+returns without waiting; their replies are read by ``collect``, a step later (before the next
 ``submit``), by which time Redis has long answered. Jobs therefore reach Redis in order, a step's
 records before the next step's, and what a job found (``Replies``: aborted requests, gateways
 gone, new requests) reaches the engine one step later. A busy engine thus takes new requests
@@ -21,12 +21,13 @@ Abort and liveness checks (an MGET of one key per request) ride along at most ev
 ``check_every_s``: an abort is seen within that time plus a step.
 
 An error (Redis away, an error reply) drops the connection and is raised by the ``submit`` or
-``wait`` that meets it; the job's records may or may not be in Redis (the engine then rebuilds
+``collect`` that meets it; the job's records may or may not be in Redis (the engine then rebuilds
 its requests from what Redis holds, and the gateway skips a record it already has).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -38,6 +39,8 @@ from contracts import queue_keys, queue_worker
 from contracts.records import OutputRecord, RequestRecord
 
 __all__ = ["Publisher", "Replies"]
+
+log = logging.getLogger("pagedserve.compute")
 
 
 @dataclass(frozen=True)
@@ -90,10 +93,10 @@ class Publisher:
         check_gateways: Sequence[str],
         read: int = 0,
     ) -> None:
-        """Writes this job (``read``: up to that many new requests); ``wait`` for the one
+        """Writes this job (``read``: up to that many new requests); ``collect`` the one
         before first (what it found decides how many to read)."""
         if self._sent is not None:
-            raise RuntimeError("a job's replies are unread: wait() first")
+            raise RuntimeError("a job's replies are unread: collect() first")
         now = time.monotonic()
         if now < self._next_check:
             check_aborted = check_gateways = ()
@@ -115,7 +118,7 @@ class Publisher:
             raise
         self._sent = _Sent(replies, check_aborted, check_gateways, read > 0)
 
-    def wait(self) -> Replies:
+    def collect(self) -> Replies:
         """Reads the replies of the job written last, if any: what it found."""
         sent, self._sent = self._sent, None
         if sent is None or self._conn is None:
@@ -144,6 +147,14 @@ class Publisher:
             return []
         return queue_worker.requests_of(self._redis, reply)
 
+    def drain(self) -> None:
+        """Collects the job written last, if any; its error (Redis away) is logged, not raised:
+        the caller rebuilds its state or stops."""
+        try:
+            self.collect()
+        except redis.RedisError as err:
+            log.warning("the last records were not published: %s", err)
+
     @property
     def idle(self) -> bool:
         """No job written whose replies are unread."""
@@ -152,7 +163,7 @@ class Publisher:
     def close(self) -> None:
         """Gives the connection back (after reading what is owed on it)."""
         try:
-            self.wait()
+            self.collect()
         finally:
             if self._conn is not None:
                 self._redis.connection_pool.release(self._conn)

@@ -51,7 +51,7 @@ class Requests:
         self.active: dict[str, Active] = {}  # by request id
         self._branches: dict[str, tuple[Active, Branch]] = {}  # by sequence id
         self._beams: dict[str, Active] = {}  # by sequence id: the live beams
-        self.adopting: set[str] = set()  # sequences to adopt at the kvstore, not admit
+        self._adopting: set[str] = set()  # sequences to adopt at the kvstore, not admit
 
     # ------------------------------------------------------------------ entering
     def start(self, entry_id: str, record: RequestRecord) -> Active:
@@ -86,7 +86,7 @@ class Requests:
         nothing of the request behind."""
         if record.params.beam_width > 1 or not streamed.sequences:
             active = self.start(entry_id, record)
-            self.adopting.add(record.req_id)
+            self._adopting.add(record.req_id)
             return active
         with self._entering(record.req_id):
             return self._resume(entry_id, record, streamed)
@@ -109,8 +109,8 @@ class Requests:
                 ),
                 index,
             )
-            self.adopting.add(seq_id)
-            active.live += 1
+            self._adopting.add(seq_id)
+            active.branch_started()
             for offset, token in enumerate(generated):  # the stop checker, the grammar and
                 branch.accept(offset, token)  # the seeded stream continue from here
                 branch.stop.append(token)
@@ -175,9 +175,28 @@ class Requests:
         branch = self._branches.get(seq_id)
         return branch[0] if branch is not None else self._beams.get(seq_id)
 
+    def adopts(self, seq_id: str) -> bool:
+        """Whether sequence ``seq_id`` is to be adopted at the kvstore (a request taken over:
+        its blocks may be kept there), not admitted."""
+        return seq_id in self._adopting
+
     def gateways(self) -> list[str]:
         """The gateways waiting for these requests (their liveness keys are checked)."""
         return sorted({a.record.gateway for a in self.active.values() if a.record.gateway})
+
+    # ------------------------------------------------------------------ the kvstore's word
+    def admitted(self, seq_id: str, cached_tokens: int) -> None:
+        """The kvstore placed sequence ``seq_id`` (admitted or adopted it), ``cached_tokens``
+        of its prompt found in its cache."""
+        owner = self.owner(seq_id)
+        assert owner is not None
+        owner.cached_tokens = cached_tokens
+        self._adopting.discard(seq_id)
+
+    def adoption_failed(self, seq_id: str) -> None:
+        """The kvstore no longer holds sequence ``seq_id``'s blocks: it is admitted instead
+        (and recomputed)."""
+        self._adopting.discard(seq_id)
 
     # ------------------------------------------------------------------ leaving
     def finish(self, seq_id: str) -> None:
@@ -185,7 +204,7 @@ class Requests:
         scheduler. Freeing it at the kvstore is the caller's."""
         if self._branches.pop(seq_id, None) or self._beams.pop(seq_id, None):
             self.scheduler.finish(seq_id)
-        self.adopting.discard(seq_id)
+        self._adopting.discard(seq_id)
 
     def done(self, active: Active) -> None:
         """Request ``active`` finished: every sequence already ``finish``ed."""
@@ -208,6 +227,6 @@ class Requests:
                 held.append(seq.seq_id)
             self._branches.pop(seq.seq_id, None)
             self._beams.pop(seq.seq_id, None)
-            self.adopting.discard(seq.seq_id)
+            self._adopting.discard(seq.seq_id)
             self.scheduler.finish(seq.seq_id)
         return held

@@ -59,6 +59,18 @@ class Active:
         """Its rows go through ``compute.penalties`` (decided once: the params are frozen)."""
         return self.record.params.uses_processors()
 
+    def branch_started(self) -> None:
+        """A branch joined (one forked at its first token, one resumed): one more is live."""
+        self.live += 1
+
+    def branch_ended(self) -> None:
+        """A branch finished: one fewer is live (none: the request is done)."""
+        self.live -= 1
+
+    def search_ended(self) -> None:
+        """Its beam search ended: nothing of it is live."""
+        self.live = 0
+
     def sequences(self) -> list[Sequence]:
         """Every sequence of the request that is not finished."""
         beams = self.beams.live if self.beams else []

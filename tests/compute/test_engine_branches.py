@@ -116,7 +116,7 @@ def test_a_worker_dead_before_making_a_copy_on_write_copy_is_taken_over_exactly(
     params = SamplingParams(max_tokens=8, n=2, seed=3, ignore_eos=True)
     whole = run_engine(redis_url, FLAGS, {"crash": prompt}, 8, tiny, params={"crash": params})
     run = kill_and_take_over(
-        redis_url, tiny, prompt, params, lambda w1, out: bool(w1.kvsync.copies)
+        redis_url, tiny, prompt, params, lambda w1, out: w1.session.kvsync.owed_copies
     )
     assert hypotheses(run.streamed) == hypotheses(whole.streamed["crash"])
     assert run.stats.gpu.used == 0 and not run.stats.requests

@@ -7,13 +7,13 @@ from __future__ import annotations
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
 from transformers import PreTrainedModel
 
 from compute.engine import RECOVERABLE, Engine
-from compute.kvsync import Sent
 from compute.scheduler import SchedulerConfig
 from contracts import queue_keys, queue_worker
 from contracts.records import (
@@ -157,15 +157,16 @@ def test_a_restarted_kvstore_is_registered_with_again(
         with KVClient(endpoint, timeout_s=2) as kv:
             engine = engine_mid_stream("w-restart", tiny, kv, redis_url, prompts)
             if its_last_step == "never read":
-                send = engine.kvsync.send
+                kvsync = engine.session.kvsync
+                submit = kvsync.submit
 
-                def stop_then_send(computed: set[str]) -> Sent:
+                def stop_then_submit(*args: Any) -> None:
                     first.send_signal(signal.SIGSTOP)  # the Step below is never read
-                    return send(computed)
+                    submit(*args)
 
-                engine.kvsync.send = stop_then_send  # type: ignore[method-assign]
+                kvsync.submit = stop_then_submit  # type: ignore[method-assign,assignment]
                 engine.step(block_ms=50)  # takes the last reply, sends the Step never read
-                engine.kvsync.send = send  # type: ignore[method-assign]
+                kvsync.submit = submit  # type: ignore[method-assign]
             reporting = dict(engine.unanswered_reports)
             assert set(reporting) == set(prompts), reporting  # n = 1: a sequence per request
             first.kill()

@@ -99,4 +99,4 @@ def test_a_dead_workers_requests_are_taken_over(redis_url: str, redis_client: re
     time.sleep(LONG_STEP_S)
     intake.take(room=8, accepting=True, idle=False, block_ms=None)
     assert list(requests.active) == ["orphan"]
-    assert "orphan" in requests.adopting  # its blocks are adopted at the kvstore, if kept
+    assert requests.adopts("orphan")  # its blocks are adopted at the kvstore, if kept

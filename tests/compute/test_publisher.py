@@ -21,7 +21,7 @@ def test_resp_commands_are_what_redis_py_sends() -> None:
     assert resp_commands(commands) == b"".join(redis.Connection().pack_commands(commands))
 
 
-def test_jobs_reach_redis_in_order_and_what_they_found_comes_from_wait(
+def test_jobs_reach_redis_in_order_and_what_they_found_comes_from_collect(
     redis_url: str,
 ) -> None:
     r = redis.Redis.from_url(redis_url)
@@ -31,14 +31,14 @@ def test_jobs_reach_redis_in_order_and_what_they_found_comes_from_wait(
     publisher = Publisher(r, "w1", check_every_s=0.0)
     first = [OutputRecord("req-a", 0, [7], text="x", offset=0)]
     publisher.submit(first, [], ["gone", "kept"], ["alive-gw", "dead-gw"])
-    with pytest.raises(RuntimeError, match="wait"):  # its replies would be lost
+    with pytest.raises(RuntimeError, match="collect"):  # its replies would be lost
         publisher.submit(first, [], [], [])
-    checked = publisher.wait().checked
+    checked = publisher.collect().checked
     second = [OutputRecord("req-a", 0, [8], text="y", offset=1, final=True)]
     publisher.submit(second, [], [], [])
     assert checked is not None
     assert checked.aborted == {"gone"} and checked.gateways_gone == {"dead-gw"}
-    assert publisher.wait() == Replies()  # the second job checked nothing
+    assert publisher.collect() == Replies()  # the second job checked nothing
     assert publisher.idle
     entries = r.xrange(queue_keys.output_key("req-a"))
     assert entries is not None
@@ -59,10 +59,10 @@ def test_a_job_reads_new_requests_for_its_consumer_and_they_come_a_job_later(
     run(submit_all(url, [request("c")]))
     publisher = Publisher(r, "w1", check_every_s=0.0)
     publisher.submit([], [], [], [], read=2)
-    found = publisher.wait()
+    found = publisher.collect()
     assert [record.req_id for _, record in found.requests] == ["a", "b"]
     publisher.submit([], [], ["a"], [], read=10)
-    found = publisher.wait()
+    found = publisher.collect()
     assert [record.req_id for _, record in found.requests] == ["c"]
     pending = r.xpending_range(queue_keys.REQUEST_STREAM, queue_keys.REQUEST_GROUP, "-", "+", 9)
     assert [p["consumer"] for p in pending] == [b"w1"] * 3  # a, b, c: junk was acked
@@ -74,8 +74,8 @@ def test_a_job_reads_new_requests_for_its_consumer_and_they_come_a_job_later(
 
     r.flushdb()  # a Redis restarted without its data: the group is gone
     publisher.submit([], [], [], [], read=5)
-    assert publisher.wait() == Replies()
+    assert publisher.collect() == Replies()
     run(submit_all(url, [request("d")]))  # the group was made again: d is read
     publisher.submit([], [], [], [], read=5)
-    assert [record.req_id for _, record in publisher.wait().requests] == ["d"]
+    assert [record.req_id for _, record in publisher.collect().requests] == ["d"]
     publisher.close()
