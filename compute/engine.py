@@ -45,6 +45,7 @@ import redis
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from compute.admission import ModelLimits
+from compute.backoff import retry_with_backoff
 from compute.grammar import GrammarsOnce
 from compute.heartbeat import Heartbeat
 from compute.kvsync import Diverged
@@ -224,19 +225,17 @@ class Engine:
         log.warning("worker %s lost the kvstore or Redis (%s); rebuilding", self.worker_id, error)
         self.session.drop()
         self.publisher.drain()
-        delay = 0.25
-        while not stop():
-            try:
-                self._connect(redeliver=False)
-                return True
-            except RECOVERABLE as err:
-                # a kvstore timeout has waited already (and its Register waits on for the next
-                # daemon): no backoff on top of it
-                wait = 0.0 if isinstance(err, KVStoreTimeout) else delay
-                log.warning("still cannot serve (%s): retrying in %.1f s", err, wait)
-                time.sleep(wait)
-                delay = min(2 * delay, RETRY_MAX_S)
-        return False
+
+        def connect() -> bool:
+            self._connect(redeliver=False)
+            return True
+
+        # a kvstore timeout has waited already (its Register waits on for the next daemon)
+        no_wait = (KVStoreTimeout,)
+        retried = retry_with_backoff(
+            connect, stop, RECOVERABLE, RETRY_MAX_S, "still cannot serve", no_wait
+        )
+        return retried is not None
 
     @property
     def active(self) -> dict[str, Active]:
