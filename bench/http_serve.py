@@ -38,7 +38,6 @@ import contextlib
 import json
 import os
 import secrets
-import signal
 import subprocess
 import sys
 import time
@@ -56,6 +55,7 @@ from bench.shapes import checkpoint  # noqa: E402
 from compute.scheduler import SchedulerConfig  # noqa: E402
 from gateway.config import ADMIN_TOKEN_ENV  # noqa: E402
 from pagedserve.config import add_arguments, from_namespace, to_flags  # noqa: E402
+from pagedserve.procs import interrupt  # noqa: E402
 from pagedserve.redis_server import free_port  # noqa: E402
 
 # The engines send their step totals about once a second: after a run, wait for the next ones.
@@ -126,16 +126,6 @@ def warm_up(
     bench(url, model, model_dir, 32, warmup, ignore_eos, seed=1, guided=guided)
 
 
-def stop(process: subprocess.Popen[bytes], grace_s: float = 120) -> None:
-    """SIGINT, then SIGKILL after ``grace_s``."""
-    process.send_signal(signal.SIGINT)
-    try:
-        process.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-
-
 def run_pagedserve(
     model_dir: Path,
     requests: int,
@@ -200,7 +190,7 @@ def pagedserve_up(
         wait_http(f"http://127.0.0.1:{port}/health", process, 900, ok=True)
         yield f"http://127.0.0.1:{port}"
     finally:
-        stop(process)
+        interrupt(process)
 
 
 def admin(url: str, path: str, method: str = "GET") -> Any:
@@ -266,7 +256,7 @@ def run_transformers(
         print(f"GPU during transformers serve's run: {result['gpu']}")
         return result
     finally:
-        stop(process, grace_s=15)  # seen: transformers 5.17 never exiting on SIGINT
+        interrupt(process, grace_s=15)  # seen: transformers 5.17 never exiting on SIGINT
 
 
 def by_class(result: dict[str, Any]) -> str:

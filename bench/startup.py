@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -36,6 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from pagedserve.procs import interrupt  # noqa: E402
 from pagedserve.redis_server import free_port  # noqa: E402
 
 # (what, a regular expression over the stack's log lines): the first line matching each is shown
@@ -66,15 +66,6 @@ def wait_health(url: str, process: subprocess.Popen[bytes], timeout_s: float) ->
     raise RuntimeError(f"{url} did not answer 200 in {timeout_s} s")
 
 
-def stop(process: subprocess.Popen[bytes], grace_s: float = 120) -> None:
-    process.send_signal(signal.SIGINT)
-    try:
-        process.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-
-
 def start_once(args: argparse.Namespace, model: str, cache: str, log: Path) -> float:
     """One ``pagedserve up`` to its first healthy answer, stopped; the seconds it took. Its
     output goes to ``log``; step moments are read from it afterwards."""
@@ -100,7 +91,7 @@ def start_once(args: argparse.Namespace, model: str, cache: str, log: Path) -> f
         try:
             healthy = wait_health(f"http://127.0.0.1:{port}/health", process, args.timeout_s)
         finally:
-            stop(process)
+            interrupt(process)
     seconds = healthy - launched
     print(f"  launch -> /health 200: {seconds:.1f} s   (log: {log})")
     for line in steps(log, launched_wall):

@@ -7,6 +7,7 @@ convert``, the benches and the tests; it imports no other module of ``pagedserve
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -85,3 +86,13 @@ def wait_for_workers(
                 return
             time.sleep(0.5)
     raise SystemExit(f"{count} workers not registered after {timeout_s} s")
+
+
+def interrupt(process: subprocess.Popen[Any], grace_s: float = 120) -> None:
+    """Stops ``process`` as Ctrl-C would (SIGINT), then SIGKILL after ``grace_s``."""
+    process.send_signal(signal.SIGINT)
+    try:
+        process.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
