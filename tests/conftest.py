@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -95,6 +96,20 @@ def stop_process(process: subprocess.Popen[bytes]) -> str:
             process.kill()
     out = process.stdout.read() if process.stdout else b""
     return out.decode(errors="replace")
+
+
+def banner_of(up: subprocess.Popen[str], timeout_s: float) -> str:
+    """The line of ``pagedserve up``'s banner ("pagedserve is up ..."), read from its piped
+    output (the lines before it fail the test if it does not come)."""
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = up.stdout.readline()  # type: ignore[union-attr]
+        lines.append(line)
+        if "pagedserve is up" in line or not line:
+            break
+    assert lines and "pagedserve is up" in lines[-1], "".join(lines)
+    return lines[-1]
 
 
 def entry_record(entry: StreamEntry) -> OutputRecord:

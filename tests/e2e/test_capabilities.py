@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import time
 import urllib.error
 import urllib.request
 import uuid
@@ -23,7 +22,7 @@ from contracts.records import Guide, RequestRecord, SamplingParams
 from pagedserve.redis_server import free_port
 from tests.checkpoints import save_char_level_checkpoint
 from tests.compute.serving import submit
-from tests.conftest import entry_record
+from tests.conftest import banner_of, entry_record
 from tests.pagedserve.test_up import up_command, up_env, wait_final
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
@@ -50,15 +49,8 @@ def test_structured_output_on_a_tokenizer_the_grammar_engine_cannot_read(tmp_pat
         cmd, env=up_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     try:
-        lines: list[str] = []
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            line = up.stdout.readline()  # type: ignore[union-attr]
-            lines.append(line)
-            if "pagedserve is up" in line or not line:
-                break
-        assert "pagedserve is up" in lines[-1], "".join(lines)
-        redis_url = lines[-1].split("redis ")[1].split(",")[0]
+        banner = banner_of(up, 180)
+        redis_url = banner.split("redis ")[1].split(",")[0]
         base = f"http://127.0.0.1:{port}"
         status, models = call(f"{base}/v1/models")
         card = models["data"][0]

@@ -23,7 +23,7 @@ from kvstore import protocol as p
 from kvstore.client import KVClient
 from pagedserve.procs import spawn_process
 from pagedserve.redis_server import free_port
-from tests.conftest import ROOT
+from tests.conftest import ROOT, banner_of
 
 
 def submit(redis_url: str, req_id: str, max_tokens: int, prompt: list[int] | None = None) -> None:
@@ -104,16 +104,9 @@ def test_up_serves_and_stops_on_ctrl_c(tmp_path: Path) -> None:
         cmd, env=up_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     try:
-        deadline = time.monotonic() + 120
-        lines = []
-        while time.monotonic() < deadline:
-            line = up.stdout.readline()  # type: ignore[union-attr]
-            lines.append(line)
-            if "pagedserve is up" in line or not line:
-                break
-        assert "pagedserve is up" in lines[-1], "".join(lines)
-        assert f"http://127.0.0.1:{port}" in lines[-1]
-        redis_url = lines[-1].split("redis ")[1].split(",")[0]
+        banner = banner_of(up, 120)
+        assert f"http://127.0.0.1:{port}" in banner
+        redis_url = banner.split("redis ")[1].split(",")[0]
         token_line = up.stdout.readline()  # type: ignore[union-attr]
         example = up.stdout.readline()  # type: ignore[union-attr]
         assert token_line.startswith("admin token (PAGEDSERVE_ADMIN_TOKEN): "), token_line
