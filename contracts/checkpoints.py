@@ -98,6 +98,14 @@ def gguf_source(model: str) -> Path | None:
         return path
     if path.is_dir():
         if (path / "config.json").is_file():
+            unreadable = sorted(
+                p.name for p in path.iterdir() if p.is_file() and not os.access(p, os.R_OK)
+            )
+            if unreadable:  # else transformers says "No such file" of a file that is there
+                raise FileNotFoundError(
+                    f"model {model!r}: this process (uid {os.getuid()}) cannot read "
+                    f"{', '.join(unreadable)}: make the files readable (chmod a+r)"
+                )
             return None
         found = sorted(p for p in path.iterdir() if p.suffix.lower() == ".gguf" and p.is_file())
         if len(found) == 1:

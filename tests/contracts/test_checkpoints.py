@@ -6,6 +6,8 @@ processes at once, is tested with the model itself (``tests/gateway/test_smollm2
 from __future__ import annotations
 
 import fcntl
+import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -106,3 +108,36 @@ def test_up_refuses_a_model_it_cannot_find_in_one_line(tmp_path: Path) -> None:
         "nor a .gguf file"
     ]
     assert not (tmp_path / "redis").exists()  # nothing was started
+
+
+def test_a_checkpoint_file_the_process_cannot_read_is_named_in_one_line(tmp_path: Path) -> None:
+    """A checkpoint whose weights only their owner may read (0600), loaded by another user (a
+    container's): one line naming the file, not transformers' "No such file"."""
+    weights = tmp_path / "model.safetensors"
+    (tmp_path / "config.json").write_text("{}")
+    weights.write_bytes(b"weights")
+    if os.getuid() == 0:  # root reads anything: the file is another user's, and the check
+        if shutil.which("setpriv") is None:  # runs without root's power to read it
+            pytest.skip("as root this needs util-linux's setpriv")
+        os.chown(weights, 65534, 65534)
+        weights.chmod(0o600)
+        check = f"from contracts.checkpoints import gguf_source; gguf_source({str(tmp_path)!r})"
+        drop = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search"]
+        run = subprocess.run(
+            [*drop, sys.executable, "-c", check],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert run.returncode != 0, run.stdout
+        error = run.stderr.strip().splitlines()[-1]
+    else:
+        weights.chmod(0o000)
+        with pytest.raises(FileNotFoundError) as raised:
+            gguf_source(str(tmp_path))
+        error = f"FileNotFoundError: {raised.value}"
+    assert error.startswith("FileNotFoundError: ") and "cannot read model.safetensors" in error
+    assert "config.json" not in error, error
+    weights.chmod(0o644)
+    assert gguf_source(str(tmp_path)) is None  # readable: a checkpoint directory
