@@ -69,7 +69,7 @@ def capture_logits(engine: Engine) -> dict[str, dict[int, torch.Tensor]]:
 
     def recording(batch: Sequence[ScheduledChunk], feed: Feed | None = None) -> torch.Tensor:
         logits = forward(batch, feed)  # [B, vocab]
-        by_table = {id(s.block_ids): s for s in engine.scheduler.seqs.values()}
+        by_table = {id(s.block_ids): s for s in engine.requests.sequences()}
         for row, chunk in enumerate(batch):
             seq = by_table[id(chunk.block_ids)]
             end = chunk.start + len(chunk.token_ids)

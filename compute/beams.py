@@ -74,9 +74,9 @@ class BeamGroup:
         )
 
     def advance(self, scheduler: Scheduler) -> BeamRound:
-        """One search round over the live beams' logits. Mutates the scheduler: appends the
-        chosen tokens, forks new sequences. Once ``done``, every live sequence is in ``frees``
-        and ``best`` holds the answer."""
+        """One search round over the live beams' logits. Through the scheduler: appends the
+        chosen tokens, forks new sequences (``live`` holds them; the caller registers them).
+        Once ``done``, every live sequence is in ``frees`` and ``best`` holds the answer."""
         rows = torch.stack([self.logits[s.seq_id] for s in self.live]).float()  # [live, vocab]
         step = self.search.step(rows.log_softmax(dim=-1))
         self.logits = {}
@@ -90,10 +90,10 @@ class BeamGroup:
             if not children:
                 frees.append(seq.seq_id)
                 continue
-            scheduler.append_sampled(seq.seq_id, step.token_ids[children[0]])
+            scheduler.append_sampled(seq, step.token_ids[children[0]])
             kept[children[0]] = seq
             for i in children[1:]:  # share the parent's reported tokens, then their own token
-                child = scheduler.fork(seq.seq_id, self._name(), step.token_ids[i])
+                child = scheduler.fork(seq, self._name(), step.token_ids[i])
                 forks.setdefault(seq.seq_id, []).append(child.seq_id)
                 kept[i] = child
         self.live = [s for s in kept if s is not None]

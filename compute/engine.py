@@ -52,6 +52,7 @@ from compute.kvsync import Diverged
 from compute.model_step import ModelStep
 from compute.profile import RecomputeProfile
 from compute.publisher import Publisher
+from compute.registry import Requests
 from compute.requests import Active
 from compute.runner import ModelRunner
 from compute.scheduler import Scheduler, SchedulerConfig
@@ -261,6 +262,11 @@ class Engine:
     def scheduler(self) -> Scheduler:
         """The session's scheduler (read by benchmarks and tests)."""
         return self.session.scheduler
+
+    @property
+    def requests(self) -> Requests:
+        """The session's requests and their sequences (read by benchmarks and tests)."""
+        return self.session.requests
 
     @property
     def tokens_computed(self) -> int:

@@ -126,10 +126,10 @@ class KVSync:
         lookahead slots of the tables it has), process one (tokens sampled meanwhile stay
         unreported) and end requests; it sends no other Step."""
         assert self._sent is None, "a Step's reply is not taken in yet"
-        scheduler = self._requests.scheduler
+        requests = self._requests
         frees, self._frees = self._frees, []
         decodes, appends, reporting = [], [], {}
-        for seq in scheduler.running():
+        for seq in requests.running():
             if len(seq.unreported) == 1 and seq.num_done == seq.num_reported:
                 decodes.append(seq)
             elif seq.unreported or seq.seq_id in computed:
@@ -146,7 +146,7 @@ class KVSync:
             if decodes
             else None
         )
-        to_place = scheduler.to_place()
+        to_place = requests.scheduler.to_place(requests.sequences())
         body = p.Step(
             self._worker_id,
             frees=frees,
@@ -159,7 +159,7 @@ class KVSync:
             timeline=timeline,
             copied=copied,
         )
-        self._sent = Sent(body, self._kv.send(body), reporting, dict(scheduler.seqs))
+        self._sent = Sent(body, self._kv.send(body), reporting, requests.snapshot())
 
     def collect(self, settle: Callable[[], list[int]]) -> Collected:
         """Waits for the reply to the Step sent last, if any, and takes it in (see ``_apply``).
@@ -205,10 +205,9 @@ class KVSync:
         the kvstore admitted meanwhile is freed with the next Step (nothing ran on it)."""
         requests, refusals = self._requests, []
         scheduler = requests.scheduler
-        seqs = scheduler.seqs
 
         def live(seq_id: str) -> Sequence | None:
-            seq = seqs.get(seq_id)
+            seq = requests.sequence(seq_id)
             return seq if seq is not None and sent.get(seq_id, seq) is seq else None
 
         while True:
@@ -219,42 +218,41 @@ class KVSync:
                 if forked.block_ids[: len(placed.block_ids)] != placed.block_ids:
                     raise Diverged(f"{placed.req_id}: the fork's table differs from the kvstore's")
             for seq_id, num_tokens in reporting.items():  # accepted, table changed or not
-                if seq_id not in refused and live(seq_id) is not None:
-                    scheduler.reported(seq_id, num_tokens)
+                if seq_id not in refused and (seq := live(seq_id)) is not None:
+                    scheduler.reported(seq, num_tokens)
             for grown in reply.appended:
-                if live(grown.req_id) is not None:
-                    self._copies += scheduler.grown(grown.req_id, grown.new_block_ids, grown.copies)
+                if (seq := live(grown.req_id)) is not None:
+                    self._copies += scheduler.grown(seq, grown.new_block_ids, grown.copies)
             for req_id, _mode in reply.preempted:
-                scheduler.preempted(req_id)
+                victim = requests.sequence(req_id)
+                assert victim is not None, f"{req_id}: the kvstore preempted no sequence of ours"
+                scheduler.preempted(victim)
             for placed in reply.admitted:  # the kvstore knows every token we sent
                 if (seq := live(placed.req_id)) is None:
                     self._frees.append(placed.req_id)
                     continue
-                scheduler.placed(
-                    seq.seq_id, placed.block_ids, placed.num_computed, len(seq.token_ids)
-                )
+                scheduler.placed(seq, placed.block_ids, placed.num_computed, len(seq.token_ids))
                 requests.admitted(seq.seq_id, placed.num_cached_tokens)
             for placed in reply.resumed:  # the kvstore knows what it held when preempted
                 if (seq := live(placed.req_id)) is None:
                     continue  # its request's end freed it
-                scheduler.placed(
-                    seq.seq_id, placed.block_ids, placed.num_computed, seq.num_reported
-                )
+                scheduler.placed(seq, placed.block_ids, placed.num_computed, seq.num_reported)
             errors = [e for e in reply.errors if live(e.req_id) is not None]
             refusals += [r for e in errors if (r := self._refusal(e)) is not None]
             starved = [
-                e.req_id
+                seq
                 for e in errors
                 if e.op == "append"
                 and e.code == "no_space"
-                and seqs[e.req_id].status is SeqStatus.RUNNING
+                and (seq := live(e.req_id)) is not None
+                and seq.status is SeqStatus.RUNNING
             ]
             if not starved:
                 return refusals
-            victim = scheduler.victim()
+            victim = scheduler.victim(requests.sequences())
             assert victim is not None, "no running sequence to preempt"
             copied = settle()
-            retry = [seqs[r] for r in starved if r != victim.seq_id]
+            retry = [seq for seq in starved if seq is not victim]
             reporting = {seq.seq_id: len(seq.token_ids) for seq in retry}
             reply = self._kv.call(
                 p.Step(

@@ -45,7 +45,7 @@ from compute.registry import Requests
 from compute.requests import Active, Branch, output_record
 from compute.runner import ModelRunner
 from compute.sampling import RowState
-from compute.scheduler import Chunk
+from compute.scheduler import Chunk, SeqStatus
 from compute.stops import StopChecker
 from compute.timeline import PathTotals
 from contracts.records import OutputRecord, SamplingParams
@@ -134,7 +134,7 @@ class ModelStep:
         """Plans and enqueues the next step; None when nothing can run. Mutates the scheduler
         (``launched``: computed counts, in-flight tokens), never waits for the device."""
         clock = time.perf_counter()
-        chunks = self.scheduler.schedule()
+        chunks = self.scheduler.schedule(self.requests.sequences())
         if not chunks:
             return None
         clock = self._phase("plan", clock)
@@ -336,7 +336,7 @@ class ModelStep:
         )
 
     def _live(self, chunk: Chunk) -> bool:
-        return self.scheduler.seqs.get(chunk.seq.seq_id) is chunk.seq
+        return chunk.seq.status is not SeqStatus.FINISHED
 
     def _beam_round(
         self, active: Active, frees: list[str], forks: dict[str, list[str]]
@@ -352,7 +352,7 @@ class ModelStep:
         frees += round_.frees
         for parent, children in round_.forks.items():
             forks.setdefault(parent, []).extend(children)
-            self.requests.add_beams(active, children)
+        self.requests.add_beams(active)
         if not beams.done:
             return []
         active.search_ended()

@@ -2,10 +2,11 @@
 
 A request (``Active``) has sampled branches (``n`` sequences, the ones beyond the first forked
 after the prompt) or a beam search (its live beams); each sequence is a scheduler ``Sequence``
-and a kvstore request. ``Requests`` maps request ids to requests and sequence ids to the request
-(and branch) they belong to, and keeps those maps and the scheduler consistent: sequences enter
-through it and leave through ``finish``/``remove``. Owned by the engine's loop; a new one is made
-when the worker rebuilds its state after losing the kvstore or Redis.
+and a kvstore request. ``Requests`` is the one map of them: request ids to requests, sequence
+ids to each sequence with the request (and branch) it belongs to. Sequences enter through it
+(made by the scheduler, whose policy it hands them to: ``sequences``) and leave through
+``finish``/``remove``. Owned by the engine's loop; a new one is made when the worker rebuilds
+its state after losing the kvstore or Redis.
 """
 
 from __future__ import annotations
@@ -14,13 +15,13 @@ import contextlib
 import secrets
 from collections.abc import Callable, Collection, Iterator
 from collections.abc import Sequence as Seq
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from compute.admission import SEQUENCE_MARK
 from compute.beams import BeamGroup
 from compute.faults import RequestError
 from compute.requests import Active, Branch
-from compute.scheduler import Scheduler, SeqStatus, Sequence
+from compute.scheduler import Scheduler, SeqStatus, Sequence, running
 from compute.stops import StopChecker
 from contracts.records import RequestRecord, Streamed
 
@@ -28,6 +29,14 @@ if TYPE_CHECKING:
     from llguidance import LLMatcher
 
     from compute.grammar import Grammars
+
+
+class _Held(NamedTuple):
+    """A sequence, the request it belongs to, and its branch (None: a beam)."""
+
+    seq: Sequence
+    active: Active
+    branch: Branch | None
 
 
 class Requests:
@@ -49,8 +58,7 @@ class Requests:
         self._beam_name = f"{worker_id}-{secrets.token_hex(4)}"
         self._grammars = grammars
         self.active: dict[str, Active] = {}  # by request id
-        self._branches: dict[str, tuple[Active, Branch]] = {}  # by sequence id
-        self._beams: dict[str, Active] = {}  # by sequence id: the live beams
+        self._seqs: dict[str, _Held] = {}  # by sequence id: branches and live beams
         self._adopting: set[str] = set()  # sequences to adopt at the kvstore, not admit
 
     # ------------------------------------------------------------------ entering
@@ -66,14 +74,14 @@ class Requests:
             self._matcher(record)  # compiled (and cached) now: a refusal changes nothing
         beams = record.params.beam_width > 1
         limit = None if beams else record.params.max_tokens
-        seq = self.scheduler.add(record.req_id, record.prompt_token_ids, max_tokens=limit)
+        seq = self.scheduler.new_sequence(record.req_id, record.prompt_token_ids, max_tokens=limit)
         active = Active(entry_id, record, {})
         if record.params.prompt_logprobs is not None:
             active.prompt_logprobs = [None] * len(record.prompt_token_ids)
         self.active[record.req_id] = active
         if beams:
             active.beams = BeamGroup(seq, record.params, self._eos_ids, self._beam_name)
-            self._beams[seq.seq_id] = active
+            self._hold(_Held(seq, active, None))
         else:
             self.add_branch(active, seq, 0)
         return active
@@ -102,13 +110,10 @@ class Requests:
                 continue
             seq_id = record.req_id if index == 0 else f"{record.req_id}#{index}"
             generated = streamed_seq.token_ids
-            branch = self.add_branch(
-                active,
-                self.scheduler.add(
-                    seq_id, record.prompt_token_ids, generated, record.params.max_tokens
-                ),
-                index,
+            seq = self.scheduler.new_sequence(
+                seq_id, record.prompt_token_ids, generated, record.params.max_tokens
             )
+            branch = self.add_branch(active, seq, index)
             self._adopting.add(seq_id)
             active.branch_started()
             for offset, token in enumerate(generated):  # the stop checker, the grammar and
@@ -139,21 +144,29 @@ class Requests:
             grammar_eos = self._compiler().eos_token_id
         stop = StopChecker(record.params, self._eos_ids, self._decode, context, grammar_eos)
         branch = Branch(index, seq, stop, matcher)
+        self._hold(_Held(seq, active, branch))
         active.branches[index] = branch
-        self._branches[seq.seq_id] = (active, branch)
         return branch
+
+    def _hold(self, held: _Held) -> None:
+        if held.seq.seq_id in self._seqs:
+            raise ValueError(f"sequence {held.seq.seq_id!r} already exists")
+        self._seqs[held.seq.seq_id] = held
 
     def fork_branch(self, active: Active, index: int, first_token: int) -> Branch:
         """Branch ``index`` of an ``n > 1`` request, forked from branch 0 right after its first
         token was sampled (the scheduler's fork: it shares branch 0's blocks). The caller
         counted it in ``active.live`` already."""
-        parent = active.branches[0].seq.seq_id
-        child = self.scheduler.fork(parent, f"{parent}#{index}", first_token)
+        parent = active.branches[0].seq
+        child = self.scheduler.fork(parent, f"{parent.seq_id}#{index}", first_token)
         return self.add_branch(active, child, index)
 
-    def add_beams(self, active: Active, seq_ids: Collection[str]) -> None:
-        for seq_id in seq_ids:
-            self._beams[seq_id] = active
+    def add_beams(self, active: Active) -> None:
+        """The live beams of ``active``'s search that are new here (forked by its last round)."""
+        assert active.beams is not None
+        for seq in active.beams.live:
+            if seq.seq_id not in self._seqs:
+                self._hold(_Held(seq, active, None))
 
     def _compiler(self) -> Grammars:
         assert self._grammars is not None, "a guided request on a worker with no grammars"
@@ -164,16 +177,36 @@ class Requests:
         return self._compiler().matcher(record.params.guide)
 
     # ------------------------------------------------------------------ lookups
+    def sequences(self) -> list[Sequence]:
+        """Every sequence served (branches and live beams), for the scheduler's policy."""
+        return [held.seq for held in self._seqs.values()]
+
+    def running(self) -> list[Sequence]:
+        """The running sequences, oldest first."""
+        return running(self.sequences())
+
+    def sequence(self, seq_id: str) -> Sequence | None:
+        held = self._seqs.get(seq_id)
+        return held.seq if held is not None else None
+
+    def snapshot(self) -> dict[str, Sequence]:
+        """The sequences now, by id (a copy: whether one left since is ``sequence(id) is``)."""
+        return {seq_id: held.seq for seq_id, held in self._seqs.items()}
+
     def branch(self, seq_id: str) -> tuple[Active, Branch] | None:
-        return self._branches.get(seq_id)
+        held = self._seqs.get(seq_id)
+        if held is None or held.branch is None:
+            return None
+        return held.active, held.branch
 
     def beam_search(self, seq_id: str) -> Active | None:
         """The request whose live beam ``seq_id`` is, if it is one."""
-        return self._beams.get(seq_id)
+        held = self._seqs.get(seq_id)
+        return held.active if held is not None and held.branch is None else None
 
     def owner(self, seq_id: str) -> Active | None:
-        branch = self._branches.get(seq_id)
-        return branch[0] if branch is not None else self._beams.get(seq_id)
+        held = self._seqs.get(seq_id)
+        return held.active if held is not None else None
 
     def adopts(self, seq_id: str) -> bool:
         """Whether sequence ``seq_id`` is to be adopted at the kvstore (a request taken over:
@@ -200,10 +233,11 @@ class Requests:
 
     # ------------------------------------------------------------------ leaving
     def finish(self, seq_id: str) -> None:
-        """Sequence ``seq_id`` ended (its request may go on): forgotten here and by the
+        """Sequence ``seq_id`` ended (its request may go on): forgotten here, finished for the
         scheduler. Freeing it at the kvstore is the caller's."""
-        if self._branches.pop(seq_id, None) or self._beams.pop(seq_id, None):
-            self.scheduler.finish(seq_id)
+        held = self._seqs.pop(seq_id, None)
+        if held is not None:
+            self.scheduler.finish(held.seq)
         self._adopting.discard(seq_id)
 
     def done(self, active: Active) -> None:
@@ -216,17 +250,17 @@ class Requests:
         return self._forget(active.record.req_id)
 
     def _forget(self, req_id: str) -> list[str]:
-        """Forgets request ``req_id`` and every sequence the scheduler has of it (its id, or
-        its id and ``#``: what a failure half-way through adding or forking one left too).
-        Returns the ids of those the kvstore holds."""
+        """Forgets request ``req_id`` and every sequence of it (its id, or its id and ``#``:
+        what a failure half-way through adding or forking one left too). Returns the ids of
+        those the kvstore holds."""
         self.active.pop(req_id, None)
         prefix = req_id + SEQUENCE_MARK
-        held = []
-        for seq in self.scheduler.sequences_of(req_id, prefix):
+        ids = [k for k in self._seqs if k == req_id or k.startswith(prefix)]
+        kept = []
+        for seq_id in ids:
+            seq = self._seqs.pop(seq_id).seq
             if seq.status in (SeqStatus.RUNNING, SeqStatus.PREEMPTED):
-                held.append(seq.seq_id)
-            self._branches.pop(seq.seq_id, None)
-            self._beams.pop(seq.seq_id, None)
-            self._adopting.discard(seq.seq_id)
-            self.scheduler.finish(seq.seq_id)
-        return held
+                kept.append(seq_id)
+            self._adopting.discard(seq_id)
+            self.scheduler.finish(seq)
+        return kept

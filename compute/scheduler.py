@@ -28,6 +28,7 @@ Policy (as vLLM / SGLang with chunked prefill):
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import NamedTuple
@@ -121,60 +122,52 @@ class SchedulerConfig:
 
 
 class Scheduler:
+    """Policy over the sequences it is handed (their one map is ``compute.registry.Requests``):
+    which run next and how far, which are placed, which one is preempted; and the transitions
+    of a sequence's counts, which only it writes."""
+
     def __init__(self, config: SchedulerConfig, block_size: int) -> None:
         self.config = config
         self.block_size = block_size
-        self.seqs: dict[str, Sequence] = {}
         self._arrivals = 0
         self._steps_without_prompt = config.prefill_interval  # the first step may take prompts
         self.held_steps = 0  # steps whose pending prompts waited for the interval, a counter
 
-    # ------------------------------------------------------------------ bookkeeping
-    def add(
+    # ------------------------------------------------------------------ a new sequence
+    def new_sequence(
         self,
         seq_id: str,
         prompt: list[int],
         generated: list[int] = (),  # type: ignore[assignment]
         max_tokens: int | None = None,
     ) -> Sequence:
-        """A new sequence waits to be admitted (``generated``: tokens it already produced, when
-        a worker takes over the request of a dead one; ``max_tokens``: its output limit)."""
-        if seq_id in self.seqs:
-            raise ValueError(f"sequence {seq_id!r} already exists")
+        """A sequence waiting to be admitted, the latest arrival (``generated``: tokens it
+        already produced, when a worker takes over the request of a dead one; ``max_tokens``:
+        its output limit)."""
         if not prompt:
             raise ValueError("a sequence needs at least one prompt token")
         seq = Sequence(seq_id, self._arrivals, [*prompt, *generated], len(prompt))
         if max_tokens is not None:
             seq.max_len = len(prompt) + max_tokens
         self._arrivals += 1
-        self.seqs[seq_id] = seq
         return seq
 
-    def running(self) -> list[Sequence]:
-        return self._by_arrival(SeqStatus.RUNNING)
-
-    def sequences_of(self, seq_id: str, prefix: str) -> list[Sequence]:
-        """The sequences whose id is ``seq_id`` or starts with ``prefix``."""
-        return [s for k, s in self.seqs.items() if k == seq_id or k.startswith(prefix)]
-
-    def _by_arrival(self, *statuses: SeqStatus) -> list[Sequence]:
-        return sorted((s for s in self.seqs.values() if s.status in statuses), key=_arrival)
-
     # ------------------------------------------------------------------ decisions
-    def schedule(self) -> list[Chunk]:
-        """The next forward pass: decodes first, then prefill chunks, within the token budget
-        (prefill chunks beside decodes only every ``prefill_interval`` steps). Call once per
-        step launched: it counts the steps since the last one with prompt tokens."""
+    def schedule(self, seqs: Iterable[Sequence]) -> list[Chunk]:
+        """The next forward pass over ``seqs``: decodes first, then prefill chunks, within the
+        token budget (prefill chunks beside decodes only every ``prefill_interval`` steps).
+        Call once per step launched: it counts the steps since the last one with prompt
+        tokens."""
         budget = self.config.max_num_batched_tokens
         chunks: list[Chunk] = []
-        everyone = self.running()
-        running = [s for s in everyone if s.num_pending > 0]
+        everyone = running(seqs)
+        pending = [s for s in everyone if s.num_pending > 0]
         for seq in everyone:
             if budget > 0 and seq.can_feed(self.block_size):
                 chunks.append(Chunk(seq, seq.num_computed, 1, fed=True))
                 budget -= 1
-        decodes = [s for s in running if s.num_pending == 1]
-        prompts = [s for s in running if s.num_pending > 1]
+        decodes = [s for s in pending if s.num_pending == 1]
+        prompts = [s for s in pending if s.num_pending > 1]
         interval = self.config.prefill_interval
         if prompts and (chunks or decodes) and self._steps_without_prompt + 1 < interval:
             prompts = []  # they join a later step
@@ -195,48 +188,49 @@ class Scheduler:
             self._steps_without_prompt = 0 if prompted else self._steps_without_prompt + 1
         return chunks
 
-    def to_place(self) -> list[Sequence]:
-        """Sequences to admit or resume at the kvstore now: preempted before new, oldest first,
-        while running sequences stay under ``max_num_seqs``. A preempted sequence that a
-        launched step still computes waits until that step is processed (its work went to the
-        blocks it lost, and must not count once it is placed again)."""
-        room = self.config.max_num_seqs - len(self.running())
-        preempted = [s for s in self._by_arrival(SeqStatus.PREEMPTED) if not s.launched_chunks]
-        waiting = self._by_arrival(SeqStatus.WAITING)
+    def to_place(self, seqs: Iterable[Sequence]) -> list[Sequence]:
+        """Those of ``seqs`` to admit or resume at the kvstore now: preempted before new,
+        oldest first, while running sequences stay under ``max_num_seqs``. A preempted sequence
+        that a launched step still computes waits until that step is processed (its work went
+        to the blocks it lost, and must not count once it is placed again)."""
+        seqs = list(seqs)
+        room = self.config.max_num_seqs - len(running(seqs))
+        preempted = [s for s in by_arrival(seqs, SeqStatus.PREEMPTED) if not s.launched_chunks]
+        waiting = by_arrival(seqs, SeqStatus.WAITING)
         return (preempted + waiting)[: max(room, 0)]
 
-    def victim(self) -> Sequence | None:
-        """The running sequence to preempt when the kvstore has no block left: the latest."""
-        running = self.running()
-        return running[-1] if running else None
+    def victim(self, seqs: Iterable[Sequence]) -> Sequence | None:
+        """The running sequence of ``seqs`` to preempt when the kvstore has no block left: the
+        latest."""
+        everyone = running(seqs)
+        return everyone[-1] if everyone else None
 
     # ------------------------------------------------------------------ kvstore replies
-    def placed(self, seq_id: str, block_ids: list[int], num_computed: int, num_tokens: int) -> None:
+    def placed(
+        self, seq: Sequence, block_ids: list[int], num_computed: int, num_tokens: int
+    ) -> None:
         """Admitted, resumed or adopted: the kvstore's table for its ``num_tokens`` tokens (the
         prompt at admission; what it held at preemption on resume); compute from
         ``num_computed``."""
-        seq = self.seqs[seq_id]
-        assert num_tokens <= len(seq.token_ids), f"{seq_id}: the kvstore knows more tokens"
+        assert num_tokens <= len(seq.token_ids), f"{seq.seq_id}: the kvstore knows more tokens"
         seq.block_ids = list(block_ids)
         seq.num_computed = seq.num_done = num_computed
         seq.num_reported = num_tokens
         seq.status = SeqStatus.RUNNING
 
-    def reported(self, seq_id: str, num_tokens: int) -> None:
+    def reported(self, seq: Sequence, num_tokens: int) -> None:
         """The kvstore accepted an append that brought its tokens to ``num_tokens`` (with or
         without a table change; tokens sampled since the append stay unreported)."""
-        seq = self.seqs[seq_id]
-        assert seq.num_reported <= num_tokens <= len(seq.token_ids), f"{seq_id}: reported"
+        assert seq.num_reported <= num_tokens <= len(seq.token_ids), f"{seq.seq_id}: reported"
         seq.num_reported = num_tokens
 
     def grown(
-        self, seq_id: str, new_block_ids: list[int], copies: list[tuple[int, int, int]]
+        self, seq: Sequence, new_block_ids: list[int], copies: list[tuple[int, int, int]]
     ) -> list[tuple[int, int]]:
         """An append changed the table: replaces copied blocks, appends new ones. Returns the
         ``(src, dst)`` copies the worker must perform before its next forward."""
-        seq = self.seqs[seq_id]
         for position, src, dst in copies:
-            assert seq.block_ids[position] == src, f"{seq_id}: block {position} is not {src}"
+            assert seq.block_ids[position] == src, f"{seq.seq_id}: block {position} is not {src}"
             seq.block_ids[position] = dst
         seq.block_ids.extend(new_block_ids)
         return [(src, dst) for _, src, dst in copies]
@@ -259,10 +253,10 @@ class Scheduler:
 
     def processed(self, chunk: Chunk) -> None:
         """The step that computed ``chunk`` finished: its KV is written (unless the sequence
-        lost its blocks since, to a preemption)."""
+        lost its blocks since, to a preemption or its end)."""
         seq = chunk.seq
         seq.launched_chunks -= 1
-        if self.seqs.get(seq.seq_id) is seq and seq.status is SeqStatus.RUNNING:
+        if seq.status is SeqStatus.RUNNING:
             seq.num_done = max(seq.num_done, chunk.start + chunk.num_tokens)
 
     def sampled(self, seq: Sequence, token: int) -> None:
@@ -271,28 +265,24 @@ class Scheduler:
         seq.inflight -= 1
         seq.token_ids.append(token)
 
-    def append_sampled(self, seq_id: str, token: int) -> None:
+    def append_sampled(self, seq: Sequence, token: int) -> None:
         """A token chosen after the sequence's forward, in a later call than ``computed`` (beam
         search waits for every beam's logits): it joins the sequence, which had nothing
         pending."""
-        seq = self.seqs[seq_id]
         assert seq.num_computed == seq.num_reported == len(seq.token_ids) and not seq.inflight, (
-            f"{seq_id}: tokens pending"
+            f"{seq.seq_id}: tokens pending"
         )
         seq.token_ids.append(token)
 
-    def fork(self, parent_id: str, child_id: str, first_token: int) -> Sequence:
-        """A sibling of ``parent_id`` (n > 1), mirroring the kvstore's fork in the same step: it
-        shares the parent's blocks and reported tokens, then has its own ``first_token``
-        (unreported: the step's append brings the copy-on-write of the shared last block).
-        Call right after the parent's ``computed``, before its sampled token is reported."""
-        parent = self.seqs[parent_id]
-        if child_id in self.seqs:
-            raise ValueError(f"sequence {child_id!r} already exists")
+    def fork(self, parent: Sequence, child_id: str, first_token: int) -> Sequence:
+        """A sibling of ``parent`` (n > 1, beams), mirroring the kvstore's fork in the same
+        step: it shares the parent's blocks and reported tokens, then has its own
+        ``first_token`` (unreported: the step's append brings the copy-on-write of the shared
+        last block). Call right after the parent's token was sampled, before it is reported."""
         assert (
             parent.status is SeqStatus.RUNNING and parent.num_reported == len(parent.token_ids) - 1
-        ), f"{parent_id}: fork right after sampling its first token"
-        child = Sequence(
+        ), f"{parent.seq_id}: fork right after sampling its first token"
+        return Sequence(
             child_id,
             parent.arrival,
             [*parent.token_ids[: parent.num_reported], first_token],
@@ -304,20 +294,26 @@ class Scheduler:
             num_reported=parent.num_reported,
             block_ids=list(parent.block_ids),
         )
-        self.seqs[child_id] = child
-        return child
 
-    def preempted(self, seq_id: str) -> None:
+    def preempted(self, seq: Sequence) -> None:
         """The kvstore took the blocks back (swap or recompute); the KV must be placed again.
         Unreported tokens stay: after the resume, the next append reports them."""
-        seq = self.seqs[seq_id]
         seq.status, seq.block_ids, seq.num_computed, seq.num_done = SeqStatus.PREEMPTED, [], 0, 0
 
-    def finish(self, seq_id: str) -> Sequence:
-        """Forgets the sequence (the caller frees it at the kvstore)."""
-        seq = self.seqs.pop(seq_id)
+    def finish(self, seq: Sequence) -> None:
+        """The sequence ended (the caller forgets it and frees it at the kvstore): no step it
+        is in any more counts its work."""
         seq.status = SeqStatus.FINISHED
-        return seq
+
+
+def by_arrival(seqs: Iterable[Sequence], *statuses: SeqStatus) -> list[Sequence]:
+    """Those of ``seqs`` in one of ``statuses``, oldest first."""
+    return sorted((s for s in seqs if s.status in statuses), key=_arrival)
+
+
+def running(seqs: Iterable[Sequence]) -> list[Sequence]:
+    """The running ones of ``seqs``, oldest first."""
+    return by_arrival(seqs, SeqStatus.RUNNING)
 
 
 def _arrival(seq: Sequence) -> int:

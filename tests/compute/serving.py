@@ -114,7 +114,7 @@ def assert_kvstore_holds_reported(engine: Engine, rows: dict[str, p.RequestRow])
     those of its last Step, whose reply it has not applied yet, count (between the reply's two
     outcomes: accepted, or refused for lack of space)."""
     sent = engine.unanswered_reports
-    for seq in engine.scheduler.running():
+    for seq in engine.requests.running():
         upto = sent.get(seq.seq_id, seq.num_reported)
         assert seq.num_reported <= rows[seq.seq_id].tokens <= upto, seq.seq_id
 

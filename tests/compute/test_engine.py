@@ -11,7 +11,7 @@ import redis
 
 from compute.engine import Engine
 from compute.models import FAMILIES, byte_tokenizer, tiny_family_config
-from compute.scheduler import Scheduler, SchedulerConfig
+from compute.scheduler import Scheduler, SchedulerConfig, Sequence
 from contracts import queue_worker
 from contracts.records import RequestRecord, SamplingParams, Streamed
 from kvstore.client import KVClient
@@ -103,9 +103,9 @@ def test_memory_pressure_swaps_and_recomputes_with_identical_output(
     in_flight: list[int] = []  # each victim's chunks in launched, unprocessed steps
     preempted = Scheduler.preempted
 
-    def recording(self: Scheduler, seq_id: str) -> None:
-        in_flight.append(self.seqs[seq_id].launched_chunks)
-        preempted(self, seq_id)
+    def recording(self: Scheduler, seq: Sequence) -> None:
+        in_flight.append(seq.launched_chunks)
+        preempted(self, seq)
 
     monkeypatch.setattr(Scheduler, "preempted", recording)
     prompts = prompts_of([60, 50, 45, 70, 55, 40, 65, 48], seed=3)

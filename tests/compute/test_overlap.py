@@ -73,7 +73,7 @@ def serve_staggered(
                 if waiting:
                     submit(redis_url, [waiting.pop(0)])
                 engine.step(block_ms=20)
-                running.append(len(engine.scheduler.running()))
+                running.append(len(engine.requests.running()))
                 rows = {row.req_id: row for row in kv.call(p.GetStats(0)).requests}
                 assert_kvstore_holds_reported(engine, rows)
             stats = kv.call(p.GetStats())
