@@ -46,7 +46,6 @@ from compute.requests import Active, Branch, output_record
 from compute.runner import ModelRunner
 from compute.sampling import RowState
 from compute.scheduler import Chunk
-from compute.stops import StopChecker
 from compute.timeline import PathTotals
 from contracts.records import OutputRecord, SamplingParams
 from kvstore import protocol as p
@@ -208,27 +207,27 @@ class ModelStep:
         """The rows that draw chunk ``i``'s next token(s): one, or ``n`` at a request's first
         token (the branches beyond the first fork there), numbered from ``first``."""
         params = active.record.params
-        generated = branch.stop.num_generated + chunk.seq.inflight  # the position being drawn
+        generated = chunk.seq.num_generated + chunk.seq.inflight  # the position being drawn
         fan_out = params.n if generated == 0 and branch.index == 0 else 1
         made: list[tuple[Row, RowState, ProcessedRow | None]] = []
         for k in range(branch.index, branch.index + fan_out):
             processed = None
             if active.processed:
                 at = first + len(made)
-                processed = self._processed_row(at, chunk, params, generated, branch.stop)
+                processed = self._processed_row(at, chunk, params, generated, branch)
             row = Row(i, active, k, forks=k != branch.index)
             made.append((row, RowState(params, k, generated), processed))
         return made
 
     def _processed_row(
-        self, row: int, chunk: Chunk, params: SamplingParams, generated: int, stop: StopChecker
+        self, row: int, chunk: Chunk, params: SamplingParams, generated: int, branch: Branch
     ) -> ProcessedRow:
         """What ``compute.penalties`` reads of a row drawing ``chunk``'s sequence's next token:
         its tokens (the newest one still on the device if the chunk is fed) and, while under
         ``min_tokens``, its stop ids to mask."""
         seq = chunk.seq
         fed = self._inflight.row_of[seq.seq_id] if chunk.fed and self._inflight else -1
-        banned = sorted(stop.stop_token_ids) if generated < params.min_tokens else []
+        banned = sorted(branch.stop.stop_token_ids) if generated < params.min_tokens else []
         prompt, output = seq.token_ids[: seq.num_prompt], seq.token_ids[seq.num_prompt :]
         return ProcessedRow(row, params, prompt, output, fed, banned)
 
@@ -310,30 +309,25 @@ class ModelStep:
         progress to ``finals``), a fork that goes on to ``forks``. Its record."""
         active, k = row.active, row.branch
         branch = self.requests.fork_branch(active, k, token) if row.forks else active.branches[k]
-        if not branch.accept(branch.stop.num_generated, token):
-            log.error("%s: token %d outside its grammar", branch.seq.seq_id, token)
-        update = branch.stop.append(token)
+        seq = branch.seq  # has the token already (``Scheduler.sampled``, or the fork's first)
+        offset = seq.num_generated - 1
+        if not branch.accept(offset, token):
+            log.error("%s: token %d outside its grammar", seq.seq_id, token)
+        update = branch.stop.append(token, last=seq.last_allowed(offset))
         if update.finish_reason is not None:
             active.branch_ended()
             if row.forks:  # it ends where it starts: the kvstore never needs to know it
-                self.requests.finish(branch.seq.seq_id)
+                self.requests.finish(seq.seq_id)
             else:
-                frees.append(branch.seq.seq_id)
-                finals.append(final_item(branch.seq))
+                frees.append(seq.seq_id)
+                finals.append(final_item(seq))
         elif row.forks:
             parent = active.branches[0].seq.seq_id
-            forks.setdefault(parent, []).append(branch.seq.seq_id)
+            forks.setdefault(parent, []).append(seq.seq_id)
         logprob = logprobs.of(at) if logprobs is not None else None
-        return output_record(
-            active,
-            k,
-            [token],
-            update.finish_reason,
-            active.live == 0,
-            update.text,
-            branch.stop.num_generated - 1,
-            logprobs=None if logprob is None else [logprob],
-        )
+        reason, text, final = update.finish_reason, update.text, active.live == 0
+        listed = None if logprob is None else [logprob]
+        return output_record(active, k, [token], reason, final, text, offset, logprobs=listed)
 
     def _live(self, chunk: Chunk) -> bool:
         return self.scheduler.seqs.get(chunk.seq.seq_id) is chunk.seq

@@ -113,7 +113,7 @@ class Requests:
             active.branch_started()
             for offset, token in enumerate(generated):  # the stop checker, the grammar and
                 branch.accept(offset, token)  # the seeded stream continue from here
-                branch.stop.append(token)
+                branch.stop.append(token, last=branch.seq.last_allowed(offset))
         return active
 
     @contextlib.contextmanager

@@ -233,3 +233,24 @@ def test_fork_shares_reported_tokens_and_blocks() -> None:
     assert child.block_ids is not s.seqs["p"].block_ids
     with pytest.raises(ValueError, match="already exists"):
         s.fork("p", "p#1", 52)
+
+
+def test_a_sequence_counts_its_output_and_names_the_last_token_its_limit_allows() -> None:
+    """``num_generated`` and ``max_len`` are the worker's only output count and limit: a fork
+    starts with its first token counted and the parent's limit, a sequence taken over with the
+    tokens it streamed."""
+    s = scheduler()
+    seq = s.add("p", list(range(6)), max_tokens=2)
+    assert seq.num_generated == 0 and not seq.last_allowed(0) and seq.last_allowed(1)
+    s.placed("p", [3, 4], 0, 6)
+    [chunk] = s.schedule()
+    s.launched(chunk, True, feedable=False)
+    assert seq.num_generated == 0  # in flight: not the host's yet
+    s.processed(chunk)
+    s.sampled(seq, 50)
+    child = s.fork("p", "p#1", 51)
+    assert seq.num_generated == child.num_generated == 1
+    assert not child.last_allowed(0) and child.last_allowed(1)
+    resumed = s.add("q", [1, 2], [7, 8], max_tokens=3)
+    assert resumed.num_generated == 2 and resumed.last_allowed(2) and not resumed.last_allowed(1)
+    assert s.add("beam", [1]).last_allowed(10_000) is False  # no limit: beams keep their own
