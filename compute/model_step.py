@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -64,12 +64,13 @@ class ModelStep:
         runner: ModelRunner,
         requests: Requests,
         decode: Callable[[Sequence[int]], str],
-        phase_s: dict[str, float],
+        phase_s: Mapping[str, float],
         faults: Faults,
         free: Callable[[list[str]], None],
         owed_copies: Callable[[], list[tuple[int, int]]],
     ) -> None:
-        """``faults``: the per-request fault boundaries (``compute.faults``) in which each
+        """``phase_s``: the phase totals of the session before, to go on from (copied);
+        ``faults``: the per-request fault boundaries (``compute.faults``) in which each
         request's own work runs; a request that fails there draws nothing more and is skipped
         until the engine ends it. ``free``: frees ended sequences at the kvstore with its next
         Step (``KVSync.free``), called once no launched step writes them; ``owed_copies``: the
@@ -84,8 +85,8 @@ class ModelStep:
         self._inflight: Launched | None = None  # the step launched last, on the device
         self._earlier: Launched | None = None  # the one before it, for ``collect``
         # host seconds per part of launch (plan, forward: pack and enqueue, draw: enqueue the
-        # sampling) and of process (wait: for the device), added to the engine's timeline
-        self.phase_s = phase_s
+        # sampling) and of process (wait: for the device), which the engine's timeline reads
+        self.phase_s = dict(phase_s)
         self.tokens_computed = 0  # tokens run through the model (prefill + decode), a counter
         self.tokens_fed = 0  # of those, tokens fed from the device (overlapped decodes)
         self.device_s = 0.0  # device seconds of processed steps (CUDA), a counter
@@ -358,7 +359,7 @@ class ModelStep:
 
     def _phase(self, name: str, since: float) -> float:
         now = time.perf_counter()
-        self.phase_s[name] += now - since
+        self.phase_s[name] = self.phase_s.get(name, 0.0) + now - since
         return now
 
     # ------------------------------------------------------------------ the lag's rules
