@@ -111,7 +111,7 @@ def serve_jobs(
         await client.aclose()
 
     r = redis.Redis.from_url(url)
-    engine.phase_s.clear()
+    phases_then = engine.phases()
     device_s, fed = engine.model_step.device_s, engine.model_step.tokens_fed
     by_path = dict(engine.model_step.by_path.totals)
     start = time.perf_counter()
@@ -138,7 +138,11 @@ def serve_jobs(
     assert all(s.final for s in streamed), "a request was not finished"
     tokens = sum(len(s.sequences[0].token_ids) for s in streamed)
     assert tokens == sum(m for _, m in jobs), "lost tokens"
-    phases = {k: round(v, 3) for k, v in engine.phase_s.items()}
+    phases = {
+        k: round(v - phases_then.get(k, 0.0), 3)
+        for k, v in engine.phases().items()
+        if v != phases_then.get(k)  # the phases of the run
+    }
     model = engine.model_step
     paths = {}  # forward path -> (steps, device seconds, tokens) of the run
     for path, (steps_now, device_now, computed) in model.by_path.totals.items():

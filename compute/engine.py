@@ -23,14 +23,6 @@ and the Redis job (``Publisher.submit``/``collect``):
    abort/gateway checks and a read of new requests, as many as there is room for
    (``compute.publisher``: a busy engine never waits for Redis to hand it requests).
 
-``n > 1``: a request's first sampling row draws n tokens (one seeded stream per branch); the
-branches beyond the first are forked from it at the kvstore in the same step (the prompt's blocks
-shared, the last one copied on write) and stream under their own index. A branch that ends on
-its first token is never forked.
-Beam search (``beam_width > 1``): the live beams are sequences that share blocks through fork
-(``compute.beams``); the request publishes its ``n`` best hypotheses when the search ends. Taking
-over an ``n > 1`` request adopts each unfinished branch; a beam search restarts on the prompt's
-blocks (nothing of it was streamed), which gives the same answer: its scoring is deterministic.
 """
 
 from __future__ import annotations
@@ -120,8 +112,10 @@ class Engine:
         # enqueue the forward and the draw), process (waiting for the device, then the tokens'
         # host work), kvstore (sending the Step, waiting for its reply: kv_wait, applying it),
         # redis_out (handing the records to the publisher); compile (Triton variants built after
-        # start-up, part of launch, where kernels are launched: ``kernels.compile_watch``)
-        self.phase_s: dict[str, float] = defaultdict(float)
+        # start-up, part of launch, where kernels are launched: ``kernels.compile_watch``); the
+        # parts of launch and process are the model step's (``phases()`` reads both)
+        self._phase_s: dict[str, float] = defaultdict(float)
+        self._model_phases: dict[str, float] = {}  # a dropped session's model step's phases
         self.idle_s = 0.0  # an idle engine waiting for requests (in no phase), a counter
         self.steps = 0  # turns of step() that had work (an idle wait is not a step), a counter
         self._timeline_sent_at = 0.0
@@ -147,7 +141,7 @@ class Engine:
             self.compiles.install()
 
     def _compiled(self, kernel: str, seconds: float) -> None:
-        self.phase_s["compile"] += seconds
+        self._phase_s["compile"] += seconds
 
     # ------------------------------------------------------------------ connecting
     def _connect(self, redeliver: bool) -> None:
@@ -183,7 +177,7 @@ class Engine:
             self.eos_ids,
             self.grammars,
             self.limits,
-            self.phase_s,
+            self._model_phases,  # the session before's totals, when this one replaces it
             # 0: the kvstore's lease, its failure detector (when it lets others adopt the blocks)
             self.claim_idle_ms or int(reply.lease_timeout_s * 1000),
             RECOVERABLE,
@@ -224,6 +218,7 @@ class Engine:
         Redis and the kvstore hold them) and connects again, retrying with backoff until it
         works (True) or ``stop()`` (False)."""
         log.warning("worker %s lost the kvstore or Redis (%s); rebuilding", self.worker_id, error)
+        self._model_phases = dict(self.session.model.phase_s)
         self.session.drop()
         self.publisher.drain()
 
@@ -272,6 +267,10 @@ class Engine:
     def tokens_computed(self) -> int:
         """Tokens run through the model (prefill + decode) by this session, a counter."""
         return self.session.model.tokens_computed
+
+    def phases(self) -> dict[str, float]:
+        """Host seconds per phase, the engine's and its model step's (a copy: read only)."""
+        return {**self._phase_s, **self.session.model.phase_s}
 
     # ------------------------------------------------------------------ the loop
     def step(self, block_ms: int | None = None) -> bool:
@@ -325,7 +324,7 @@ class Engine:
         if not s.model.overlapped:
             self._phase("process")
         collected = s.kvsync.collect(s.model.settle)
-        self.phase_s["kv_wait"] += collected.wait_s  # inside kvstore, like wait
+        self._phase_s["kv_wait"] += collected.wait_s  # inside kvstore, like wait
         s.end_refused(collected.refusals)
         self._phase("kvstore")
 
@@ -334,10 +333,9 @@ class Engine:
         if self._clock - self._timeline_sent_at < TIMELINE_EVERY_S:
             return None
         self._timeline_sent_at = self._clock
-        model = self.session.model
-        held = self.session.scheduler.held_steps
+        model, held = self.session.model, self.session.scheduler.held_steps
         return p.StepTimeline(
-            self.steps, model.tokens_computed, model.device_s, dict(self.phase_s), held
+            self.steps, model.tokens_computed, model.device_s, self.phases(), held
         )
 
     def _publish(self, records: list[OutputRecord], acks: list[str]) -> Checked | None:
@@ -356,7 +354,7 @@ class Engine:
     def _phase(self, name: str) -> None:
         """Adds the time since the last phase ended to phase ``name``."""
         now = time.perf_counter()
-        self.phase_s[name] += now - self._clock
+        self._phase_s[name] += now - self._clock
         self._clock = now
 
     def run_forever(self, signals: list[int]) -> None:
@@ -369,13 +367,9 @@ class Engine:
         timeline = TimelineLog()
         connected = True
         while len(signals) < 2:
-            model = self.session.model
+            model, held = self.session.model, self.session.scheduler.held_steps
             line = timeline.tick(
-                self.phase_s,
-                self.steps,
-                model.tokens_computed,
-                model.device_s,
-                held=self.session.scheduler.held_steps,
+                self.phases(), self.steps, model.tokens_computed, model.device_s, held=held
             )
             if line is not None:
                 log.info("timeline: %s", line)

@@ -176,7 +176,7 @@ def _catch_up(
         if faults.failed(req_id):
             continue
         with faults.guard(req_id, "masking its grammar"):
-            if not branch.accept(branch.stop.num_generated, token):
+            if not branch.accept(branch.seq.num_generated, token):  # in flight: not counted yet
                 log.error("%s: token %d outside its grammar", branch.seq.seq_id, token)
 
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -46,7 +46,6 @@ from compute.requests import Active, Branch, output_record
 from compute.runner import ModelRunner
 from compute.sampling import RowState
 from compute.scheduler import Chunk, SeqStatus
-from compute.stops import StopChecker
 from compute.timeline import PathTotals
 from contracts.records import OutputRecord, SamplingParams
 from kvstore import protocol as p
@@ -65,12 +64,13 @@ class ModelStep:
         runner: ModelRunner,
         requests: Requests,
         decode: Callable[[Sequence[int]], str],
-        phase_s: dict[str, float],
+        phase_s: Mapping[str, float],
         faults: Faults,
         free: Callable[[list[str]], None],
         owed_copies: Callable[[], list[tuple[int, int]]],
     ) -> None:
-        """``faults``: the per-request fault boundaries (``compute.faults``) in which each
+        """``phase_s``: the phase totals of the session before, to go on from (copied);
+        ``faults``: the per-request fault boundaries (``compute.faults``) in which each
         request's own work runs; a request that fails there draws nothing more and is skipped
         until the engine ends it. ``free``: frees ended sequences at the kvstore with its next
         Step (``KVSync.free``), called once no launched step writes them; ``owed_copies``: the
@@ -85,8 +85,8 @@ class ModelStep:
         self._inflight: Launched | None = None  # the step launched last, on the device
         self._earlier: Launched | None = None  # the one before it, for ``collect``
         # host seconds per part of launch (plan, forward: pack and enqueue, draw: enqueue the
-        # sampling) and of process (wait: for the device), added to the engine's timeline
-        self.phase_s = phase_s
+        # sampling) and of process (wait: for the device), which the engine's timeline reads
+        self.phase_s = dict(phase_s)
         self.tokens_computed = 0  # tokens run through the model (prefill + decode), a counter
         self.tokens_fed = 0  # of those, tokens fed from the device (overlapped decodes)
         self.device_s = 0.0  # device seconds of processed steps (CUDA), a counter
@@ -208,27 +208,27 @@ class ModelStep:
         """The rows that draw chunk ``i``'s next token(s): one, or ``n`` at a request's first
         token (the branches beyond the first fork there), numbered from ``first``."""
         params = active.record.params
-        generated = branch.stop.num_generated + chunk.seq.inflight  # the position being drawn
+        generated = chunk.seq.num_generated + chunk.seq.inflight  # the position being drawn
         fan_out = params.n if generated == 0 and branch.index == 0 else 1
         made: list[tuple[Row, RowState, ProcessedRow | None]] = []
         for k in range(branch.index, branch.index + fan_out):
             processed = None
             if active.processed:
                 at = first + len(made)
-                processed = self._processed_row(at, chunk, params, generated, branch.stop)
+                processed = self._processed_row(at, chunk, params, generated, branch)
             row = Row(i, active, k, forks=k != branch.index)
             made.append((row, RowState(params, k, generated), processed))
         return made
 
     def _processed_row(
-        self, row: int, chunk: Chunk, params: SamplingParams, generated: int, stop: StopChecker
+        self, row: int, chunk: Chunk, params: SamplingParams, generated: int, branch: Branch
     ) -> ProcessedRow:
         """What ``compute.penalties`` reads of a row drawing ``chunk``'s sequence's next token:
         its tokens (the newest one still on the device if the chunk is fed) and, while under
         ``min_tokens``, its stop ids to mask."""
         seq = chunk.seq
         fed = self._inflight.row_of[seq.seq_id] if chunk.fed and self._inflight else -1
-        banned = sorted(stop.stop_token_ids) if generated < params.min_tokens else []
+        banned = sorted(branch.stop.stop_token_ids) if generated < params.min_tokens else []
         prompt, output = seq.token_ids[: seq.num_prompt], seq.token_ids[seq.num_prompt :]
         return ProcessedRow(row, params, prompt, output, fed, banned)
 
@@ -310,30 +310,25 @@ class ModelStep:
         progress to ``finals``), a fork that goes on to ``forks``. Its record."""
         active, k = row.active, row.branch
         branch = self.requests.fork_branch(active, k, token) if row.forks else active.branches[k]
-        if not branch.accept(branch.stop.num_generated, token):
-            log.error("%s: token %d outside its grammar", branch.seq.seq_id, token)
-        update = branch.stop.append(token)
+        seq = branch.seq  # has the token already (``Scheduler.sampled``, or the fork's first)
+        offset = seq.num_generated - 1
+        if not branch.accept(offset, token):
+            log.error("%s: token %d outside its grammar", seq.seq_id, token)
+        update = branch.stop.append(token, last=seq.last_allowed(offset))
         if update.finish_reason is not None:
             active.branch_ended()
             if row.forks:  # it ends where it starts: the kvstore never needs to know it
-                self.requests.finish(branch.seq.seq_id)
+                self.requests.finish(seq.seq_id)
             else:
-                frees.append(branch.seq.seq_id)
-                finals.append(final_item(branch.seq))
+                frees.append(seq.seq_id)
+                finals.append(final_item(seq))
         elif row.forks:
             parent = active.branches[0].seq.seq_id
-            forks.setdefault(parent, []).append(branch.seq.seq_id)
+            forks.setdefault(parent, []).append(seq.seq_id)
         logprob = logprobs.of(at) if logprobs is not None else None
-        return output_record(
-            active,
-            k,
-            [token],
-            update.finish_reason,
-            active.live == 0,
-            update.text,
-            branch.stop.num_generated - 1,
-            logprobs=None if logprob is None else [logprob],
-        )
+        reason, text, final = update.finish_reason, update.text, active.live == 0
+        listed = None if logprob is None else [logprob]
+        return output_record(active, k, [token], reason, final, text, offset, logprobs=listed)
 
     def _live(self, chunk: Chunk) -> bool:
         return chunk.seq.status is not SeqStatus.FINISHED
@@ -364,7 +359,7 @@ class ModelStep:
 
     def _phase(self, name: str, since: float) -> float:
         now = time.perf_counter()
-        self.phase_s[name] += now - since
+        self.phase_s[name] = self.phase_s.get(name, 0.0) + now - since
         return now
 
     # ------------------------------------------------------------------ the lag's rules

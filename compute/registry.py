@@ -7,6 +7,15 @@ ids to each sequence with the request (and branch) it belongs to. Sequences ente
 (made by the scheduler, whose policy it hands them to: ``sequences``) and leave through
 ``finish``/``remove``. Owned by the engine's loop; a new one is made when the worker rebuilds
 its state after losing the kvstore or Redis.
+
+``n > 1``: a request's first sampling row draws n tokens (one seeded stream per branch); the
+branches beyond the first are forked from it at the kvstore in the same step (the prompt's blocks
+shared, the last one copied on write) and stream under their own index. A branch that ends on
+its first token is never forked.
+Beam search (``beam_width > 1``): the live beams are sequences that share blocks through fork
+(``compute.beams``); the request publishes its ``n`` best hypotheses when the search ends. Taking
+over an ``n > 1`` request adopts each unfinished branch; a beam search restarts on the prompt's
+blocks (nothing of it was streamed), which gives the same answer: its scoring is deterministic.
 """
 
 from __future__ import annotations
@@ -118,7 +127,7 @@ class Requests:
             active.branch_started()
             for offset, token in enumerate(generated):  # the stop checker, the grammar and
                 branch.accept(offset, token)  # the seeded stream continue from here
-                branch.stop.append(token)
+                branch.stop.append(token, last=branch.seq.last_allowed(offset))
         return active
 
     @contextlib.contextmanager

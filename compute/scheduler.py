@@ -43,7 +43,9 @@ class SeqStatus(Enum):
 
 @dataclass
 class Sequence:
-    """One generated sequence, a kvstore request (``n > 1`` and beams are several)."""
+    """One generated sequence, a kvstore request (``n > 1`` and beams are several). Its output
+    count (``num_generated``) and length limit (``max_len``) are the worker's only ones: the
+    stop checker is told which token is the last (``last_allowed``)."""
 
     seq_id: str
     arrival: int  # lower runs first, is placed first, is preempted last
@@ -58,6 +60,15 @@ class Sequence:
     launched_chunks: int = 0  # chunks of it in launched steps not processed yet
     feedable: bool = False  # the last in-flight token may feed the next step from the device
     block_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_generated(self) -> int:
+        """Output tokens the host has (in-flight ones join ``token_ids`` when sampled)."""
+        return len(self.token_ids) - self.num_prompt
+
+    def last_allowed(self, offset: int) -> bool:
+        """Whether output token ``offset`` is the last one ``max_len`` allows."""
+        return self.num_prompt + offset + 1 >= self.max_len
 
     @property
     def num_pending(self) -> int:
@@ -138,7 +149,7 @@ class Scheduler:
         self,
         seq_id: str,
         prompt: list[int],
-        generated: list[int] = (),  # type: ignore[assignment]
+        generated: Iterable[int] = (),
         max_tokens: int | None = None,
     ) -> Sequence:
         """A sequence waiting to be admitted, the latest arrival (``generated``: tokens it

@@ -26,7 +26,7 @@ until both answer.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 import redis
 
@@ -66,11 +66,12 @@ class Session:
         eos_ids: Collection[int],
         grammars: Callable[[], Grammars],
         limits: ModelLimits,
-        phase_s: dict[str, float],
+        phase_s: Mapping[str, float],
         claim_idle_ms: int,
         passthrough: tuple[type[BaseException], ...],
     ) -> None:
         """Starts from empty state (``open`` takes the worker's pending requests back).
+        ``phase_s``: the model step's phase totals to go on from (the session before's);
         ``passthrough``: the errors no request's fault boundary keeps (the engine's
         ``RECOVERABLE``)."""
         self.scheduler = Scheduler(config, block_size)

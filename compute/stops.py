@@ -1,7 +1,8 @@
 """Stop conditions of a compute worker's sampled sequences, with incremental detokenization.
 
-* ``StopChecker``: one sequence's incremental detokenization and stop conditions (max_tokens,
-  EOS, stop token ids, stop strings spanning token boundaries, incomplete UTF-8 held back).
+* ``StopChecker``: one sequence's incremental detokenization and stop conditions (the length
+  limit, EOS, stop token ids, stop strings spanning token boundaries, incomplete UTF-8 held
+  back).
 * ``StopUpdate``: what one token appended to a ``StopChecker`` produced (new text, finish).
 
 Beam search has its own stopping rules (``compute.beam_search``). Pure Python: no torch.
@@ -43,8 +44,9 @@ class StopChecker:
     the token is detokenized incrementally and the text checked for stop strings; a match finishes
     with "stop" and the output ends right before it. If several stop strings complete within one
     token, the occurrence that ends first wins (where a character-at-a-time generator would have
-    stopped), ties going to the one that starts first. Otherwise the ``max_tokens``-th token
-    finishes with "length".
+    stopped), ties going to the one that starts first. Otherwise the token the caller marks
+    ``last`` (the last the length limit allows: the sequence's ``max_tokens``-th, which the
+    scheduler's ``Sequence`` counts) finishes with "length". The checker counts no tokens.
 
     Detokenization decodes only a small window (the tokens since the last emitted text plus the
     chunk before them, as context for tokenizers whose decode depends on the previous token), and
@@ -66,7 +68,6 @@ class StopChecker:
     ) -> None:
         """``grammar_eos``: a guided sequence's grammar ends with this token (its tokenizer's
         EOS): it stops the sequence, ``ignore_eos`` or not."""
-        self._max_tokens = params.max_tokens
         self._stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             self._stop_ids |= set(eos_token_ids)
@@ -81,7 +82,6 @@ class StopChecker:
         self._tail = ""  # last _tail_len checked characters
         self._held = 0  # characters at the end of _tail not yet emitted (a stop string's start)
         self._chunks: list[str] = []
-        self.num_generated = 0
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None
 
@@ -95,20 +95,20 @@ class StopChecker:
         """The output text emitted so far (the final output once finished)."""
         return "".join(self._chunks)
 
-    def append(self, token_id: int) -> StopUpdate:
-        """Adds the next output token; returns the new text and whether the sequence finished."""
+    def append(self, token_id: int, last: bool = False) -> StopUpdate:
+        """Adds the next output token (``last``: the last one the length limit allows; it
+        finishes the sequence, with "length" unless a stop does); returns the new text and
+        whether the sequence finished. Raises once the sequence has finished."""
         if self.finish_reason is not None:
             raise RuntimeError("sequence already finished")
-        self.num_generated += 1
         if token_id in self._stop_ids:
             text, stop = self._flush()
             return self._finish(text, "stop", token_id if stop is None else stop)
         self._ids.append(token_id)
-        at_limit = self.num_generated >= self._max_tokens
-        text, stop = self._check(self._decode_new(final=at_limit))
+        text, stop = self._check(self._decode_new(final=last))
         if stop is not None:
             return self._finish(text, "stop", stop)
-        if at_limit:
+        if last:
             return self._finish(text + self._release_held(), "length", None)
         return StopUpdate(text)
 

@@ -1,7 +1,7 @@
 """The engine's per-step timeline in the worker's log: ``TimelineLog``. Pure Python.
 
 Every ``every_s`` while the engine works, one line: steps and computed tokens per second, then
-per step the host milliseconds of each phase of ``Engine.phase_s`` (``launch`` = ``plan`` +
+per step the host milliseconds of each phase of ``Engine.phases()`` (``launch`` = ``plan`` +
 ``forward`` + ``draw``; ``process`` includes ``wait``, the host waiting for the device;
 ``kvstore`` includes ``kv_wait``, the wait for the kvstore's reply; ``launch`` includes
 ``compile``, Triton kernel variants built after start-up) and the

@@ -84,7 +84,7 @@ STAGES: dict[str, tuple[Any, str, Callable[..., bool]]] = {
         compute.model_step.ModelStep,
         "_rows",
         lambda self, i, chunk, active, branch, first: (
-            _slow(active.record.params.seed, branch.stop.num_generated)
+            _slow(active.record.params.seed, branch.seq.num_generated)
             or _id_marked(active.record.req_id, "sampling")
         ),
     ),
@@ -106,7 +106,7 @@ STAGES: dict[str, tuple[Any, str, Callable[..., bool]]] = {
     "stop": (
         compute.stops.StopChecker,
         "append",
-        lambda self, token: "poison-stop" in self._stops,
+        lambda self, token, last=False: "poison-stop" in self._stops,
     ),
     "beams": (
         compute.beams.BeamGroup,

@@ -191,10 +191,11 @@ def tokens_of(streamed: Streamed, index: int) -> list[int]:
 
 
 def test_an_idle_engines_waits_are_not_steps_and_in_no_phase(redis_url: str, tiny: tuple) -> None:
-    """The step timeline (``Engine.steps``, ``phase_s``) counts turns that had work: an idle
+    """The step timeline (``Engine.steps``, ``phases()``) counts turns that had work: an idle
     engine's waits for requests go to ``idle_s`` only, so the per-step figures of a worker that
     idled between bursts are those of its busy steps. The kvstore phase shows its wait for the
-    reply as a part (``kv_wait``)."""
+    reply as a part (``kv_wait``), launch its model step's parts (``plan``, ``forward``,
+    ``draw``); a rebuilt session's model step goes on from the totals of the one before."""
     model, tokenizer, _ = tiny
     process, endpoint = start_kvstore("--model", "tiny", "--dtype", "float32")
     try:
@@ -205,14 +206,20 @@ def test_an_idle_engines_waits_are_not_steps_and_in_no_phase(redis_url: str, tin
             for _ in range(3):
                 assert not engine.step(block_ms=30)
             assert engine.steps == 0 and engine.idle_s >= 0.08
-            assert engine.phase_s["redis_in"] < 0.03 and sum(engine.phase_s.values()) < 0.05
+            phases = engine.phases()
+            assert phases.get("redis_in", 0.0) < 0.03 and sum(phases.values()) < 0.05
             greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
             submit(redis_url, [RequestRecord("r0", [5, 6, 7], greedy, "tiny")])
             deadline = time.monotonic() + 60
             while not queue_worker.read_streamed(r, "r0").final and time.monotonic() < deadline:
                 engine.step(block_ms=30)
             assert queue_worker.read_streamed(r, "r0").sequences[0].token_ids
-            assert 2 <= engine.steps <= 10 and engine.phase_s["launch"] > 0
-            assert 0 < engine.phase_s["kv_wait"] < engine.phase_s["kvstore"]  # a part of it
+            phases = engine.phases()
+            assert 2 <= engine.steps <= 10 and phases["launch"] > 0
+            assert 0 < phases["kv_wait"] < phases["kvstore"]  # a part of it
+            parts = phases["plan"] + phases["forward"] + phases["draw"]
+            assert 0 < parts <= phases["launch"]
+            engine.recover(RuntimeError("rebuilt"), lambda: False)  # a new session
+            assert engine.phases() == phases
     finally:
         stop_process(process)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -22,8 +24,14 @@ class Batch:
         self.scheduler = scheduler
         self.seqs: dict[str, Sequence] = {}
 
-    def add(self, seq_id: str, prompt: list[int]) -> Sequence:
-        self.seqs[seq_id] = self.scheduler.new_sequence(seq_id, prompt)
+    def add(
+        self,
+        seq_id: str,
+        prompt: list[int],
+        done: Iterable[int] = (),
+        max_tokens: int | None = None,
+    ) -> Sequence:
+        self.seqs[seq_id] = self.scheduler.new_sequence(seq_id, prompt, done, max_tokens)
         return self.seqs[seq_id]
 
     def fork(self, parent: str, child: str, token: int) -> Sequence:
@@ -290,3 +298,24 @@ def test_fork_shares_reported_tokens_and_blocks() -> None:
     assert child.token_ids == [0, 1, 2, 3, 4, 5, 51] and child.unreported == [51]
     assert (child.block_ids, child.num_computed, child.status) == ([3, 4], 6, SeqStatus.RUNNING)
     assert child.block_ids is not s.seqs["p"].block_ids
+
+
+def test_a_sequence_counts_its_output_and_names_the_last_token_its_limit_allows() -> None:
+    """``num_generated`` and ``max_len`` are the worker's only output count and limit: a fork
+    starts with its first token counted and the parent's limit, a sequence taken over with the
+    tokens it streamed."""
+    s = scheduler()
+    seq = s.add("p", list(range(6)), max_tokens=2)
+    assert seq.num_generated == 0 and not seq.last_allowed(0) and seq.last_allowed(1)
+    s.placed("p", [3, 4], 0, 6)
+    [chunk] = s.schedule()
+    s.launched(chunk, True, feedable=False)
+    assert seq.num_generated == 0  # in flight: not the host's yet
+    s.processed(chunk)
+    s.sampled(seq, 50)
+    child = s.fork("p", "p#1", 51)
+    assert seq.num_generated == child.num_generated == 1
+    assert not child.last_allowed(0) and child.last_allowed(1)
+    resumed = s.add("q", [1, 2], [7, 8], max_tokens=3)
+    assert resumed.num_generated == 2 and resumed.last_allowed(2) and not resumed.last_allowed(1)
+    assert s.add("beam", [1]).last_allowed(10_000) is False  # no limit: beams keep their own

@@ -18,11 +18,15 @@ def toy_decode(vocab: list[str]) -> Callable[[Sequence[int]], str]:
     return lambda ids: "".join(vocab[i] for i in ids)
 
 
-def feed(checker: StopChecker, ids: Sequence[int]) -> list[StopUpdate]:
-    """Appends until finished; checks the streamed deltas add up to the final text."""
+def feed(
+    checker: StopChecker, ids: Sequence[int], max_tokens: int | None = None
+) -> list[StopUpdate]:
+    """Appends until finished, the ``max_tokens``-th token marked the last the length limit
+    allows (as the worker's ``Sequence.last_allowed`` does); checks the streamed deltas add up
+    to the final text."""
     updates: list[StopUpdate] = []
-    for token in ids:
-        updates.append(checker.append(token))
+    for offset, token in enumerate(ids):
+        updates.append(checker.append(token, last=offset + 1 == max_tokens))
         if updates[-1].finish_reason is not None:
             break
     assert "".join(u.text for u in updates) == checker.text
@@ -50,9 +54,8 @@ def test_incremental_stops_equal_a_whole_text_reference(text: str, stops: list[s
     """Byte tokens (multi-byte characters split across tokens) against the non-incremental rule:
     the stop occurrence ending first (then starting first) in the whole text cuts it."""
     data = list(text.encode())
-    params = SamplingParams(max_tokens=max(1, len(data)), stop=stops)  # the last token ends it
-    checker = StopChecker(params, [EOS], byte_decode())
-    updates = feed(checker, data)
+    checker = StopChecker(SamplingParams(stop=stops), [EOS], byte_decode())
+    updates = feed(checker, data, max_tokens=max(1, len(data)))  # the last token ends it
     hits = [(i + len(s), i) for s in stops for i in range(len(text)) if text.startswith(s, i)]
     want = text[: min(hits)[1]] if hits else text
     assert checker.text == want
@@ -90,20 +93,20 @@ def test_overlapping_and_leading_stop_strings(
 def test_incomplete_utf8_is_held_back_and_never_matched() -> None:
     decode = byte_decode()
     data = list("é€x".encode())  # c3 a9 | e2 82 ac | 78
-    checker = StopChecker(SamplingParams(max_tokens=50, stop=["\ufffd"]), [EOS], decode)
-    updates = feed(checker, data)
+    checker = StopChecker(SamplingParams(stop=["\ufffd"]), [EOS], decode)
+    updates = feed(checker, data, max_tokens=50)
     assert [u.text for u in updates] == ["", "é", "", "", "€", "x"]
     assert checker.finish_reason is None
     # max_tokens in the middle of a character: the tail is flushed as decoded
-    checker = StopChecker(SamplingParams(max_tokens=3), [EOS], decode)
-    assert [u.text for u in feed(checker, data)] == ["", "é", "\ufffd"]
+    checker = StopChecker(SamplingParams(), [EOS], decode)
+    assert [u.text for u in feed(checker, data, max_tokens=3)] == ["", "é", "\ufffd"]
     assert checker.finish_reason == "length"
 
 
 def test_invalid_utf8_is_emitted_after_a_bounded_wait() -> None:
     decode = byte_decode()
-    checker = StopChecker(SamplingParams(max_tokens=50), [EOS], decode)
-    updates = feed(checker, [0xFF] * 6 + [ord("a")])
+    checker = StopChecker(SamplingParams(), [EOS], decode)
+    updates = feed(checker, [0xFF] * 6 + [ord("a")], max_tokens=50)
     assert "".join(u.text for u in updates[:4]) == "\ufffd" * 4  # not held forever
     assert checker.text == "\ufffd" * 6 + "a"
 
@@ -116,8 +119,8 @@ def test_decode_window_stays_small_and_gives_context() -> None:
         calls.append(len(ids))
         return "".join(vocab[i] for i in ids).replace("▁", " ").removeprefix(" ")
 
-    checker = StopChecker(SamplingParams(max_tokens=600, stop=["zz", "\n\n"]), [], decode)
-    feed(checker, [0, 1, 2] * 200)
+    checker = StopChecker(SamplingParams(stop=["zz", "\n\n"]), [], decode)
+    feed(checker, [0, 1, 2] * 200, max_tokens=600)
     assert checker.text == "Hello world!" + " Hello world!" * 199
     assert checker.finish_reason == "length"
     assert max(calls) <= 2  # per-token cost does not grow with the output
@@ -135,13 +138,9 @@ def test_stop_token_ids_eos_and_ignore_eos() -> None:
     checker = StopChecker(SamplingParams(), [3], decode)
     feed(checker, [0, 3, 0])
     assert (checker.text, checker.finish_reason, checker.stop_reason) == ("a", "stop", 3)
-    checker = StopChecker(SamplingParams(ignore_eos=True, max_tokens=4), [3], decode)
-    feed(checker, [0, 3, 0, 3, 0])
-    assert (checker.text, checker.finish_reason, checker.num_generated) == (
-        "a<eos>a<eos>",
-        "length",
-        4,
-    )
+    checker = StopChecker(SamplingParams(ignore_eos=True), [3], decode)
+    updates = feed(checker, [0, 3, 0, 3, 0], max_tokens=4)
+    assert (checker.text, checker.finish_reason, len(updates)) == ("a<eos>a<eos>", "length", 4)
     with pytest.raises(RuntimeError):
         checker.append(0)
     # a grammar's end token stops a guided sequence, ignore_eos or not; the model's EOS does not
@@ -155,6 +154,6 @@ def test_stop_token_ids_eos_and_ignore_eos() -> None:
     [([0, 0, 0, 0], "aaa", "length"), ([0, 0, 3], "aa", "stop"), ([0, 0, 1], "aa", "stop")],
 )
 def test_max_tokens_and_stops_on_the_last_token(tokens: list[int], text: str, reason: str) -> None:
-    checker = StopChecker(SamplingParams(max_tokens=3, stop=["b"]), [3], toy_decode(list("ab ")))
-    feed(checker, tokens)
-    assert (checker.text, checker.finish_reason, checker.num_generated) == (text, reason, 3)
+    checker = StopChecker(SamplingParams(stop=["b"]), [3], toy_decode(list("ab ")))
+    updates = feed(checker, tokens, max_tokens=3)
+    assert (checker.text, checker.finish_reason, len(updates)) == (text, reason, 3)
