@@ -14,8 +14,8 @@ from collections.abc import Callable
 import torch
 from transformers import PreTrainedModel
 
-import compute.attention  # noqa: F401  (registers the "paged" attention function)
-from compute.runner import ModelRunner, ScheduledChunk
+import compute.model.attention  # noqa: F401  (registers the "paged" attention function)
+from compute.model.runner import ModelRunner, ScheduledChunk
 from contracts.model_config import kv_geometry
 from kvstore.cost_model import SwapCalibration
 from kvstore.device import DevicePools
@@ -147,13 +147,13 @@ def build_model(args: argparse.Namespace) -> PreTrainedModel:
     (``bench.shapes``' configs, initialised on the GPU: minutes faster for 8b), fused as a
     worker fuses it."""
     if args.device == "cpu":
-        from compute.models import load_model
+        from compute.model.models import load_model
 
         return load_model("tiny", "auto", "cpu")[0]
     from transformers import AutoModelForCausalLM
 
     from bench.shapes import SHAPES
-    from compute.fused import fuse_layers
+    from compute.model.fused import fuse_layers
 
     config = SHAPES[args.shape]()
     config.max_position_embeddings = max(config.max_position_embeddings, longest(args) + BLOCK)

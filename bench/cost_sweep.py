@@ -51,11 +51,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-import compute.attention  # noqa: E402,F401  (registers the "paged" attention function)
+import compute.model.attention  # noqa: E402,F401  (registers the "paged" attention function)
 from bench.cost_report import Row, ms, report, where  # noqa: E402
 from bench.cost_rig import BLOCK, Rig, build_model, note  # noqa: E402
-from compute.profile import measure_prefill, measure_recompute  # noqa: E402
-from compute.scheduler import SchedulerConfig  # noqa: E402
+from compute.batch.scheduler import SchedulerConfig  # noqa: E402
+from compute.model.profile import measure_prefill, measure_recompute  # noqa: E402
 from kvstore.cost_model import CostRefit  # noqa: E402
 from kvstore.pricing import Pricing  # noqa: E402
 

@@ -33,9 +33,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import compute.attention  # noqa: F401  (registers the "paged" attention function)
+import compute.model.attention  # noqa: F401  (registers the "paged" attention function)
 from bench.shapes import SHAPES, build_model
-from compute.runner import ModelRunner, ScheduledChunk
+from compute.model.runner import ModelRunner, ScheduledChunk
 
 
 def main() -> None:

@@ -5,7 +5,7 @@ profiler (CUDA activity: kernels, copies, memsets, graph replays included) and p
 
 - the window's span on the device (first activity to last) and how much of it something ran;
 - the engine's own count of device time for the steps processed in the window (the CUDA
-  events around each step, ``compute.model_step``), to compare with the span;
+  events around each step, ``compute.loop.model_step``), to compare with the span;
 - the longest idle gaps, with the activities on either side;
 - the device time per activity name.
 

@@ -29,12 +29,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import redis
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
-import compute.attention  # noqa: F401  (registers the "paged" attention function)
+import compute.model.attention  # noqa: F401  (registers the "paged" attention function)
 from bench.serve import serve_jobs, stack
-from compute.engine import Engine
-from compute.models import FAMILIES, byte_tokenizer, tiny_family_config
-from compute.runner import Feed, ScheduledChunk
-from compute.scheduler import SchedulerConfig
+from compute.batch.scheduler import SchedulerConfig
+from compute.loop.engine import Engine
+from compute.model.models import FAMILIES, byte_tokenizer, tiny_family_config
+from compute.model.runner import Feed, ScheduledChunk
 from contracts import queue_worker
 
 CAPTURED_POSITIONS = 4  # output positions whose logits are compared per request

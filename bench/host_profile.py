@@ -37,10 +37,10 @@ def main() -> None:
 
     import redis
 
-    import compute.attention  # noqa: F401  (registers the "paged" attention function)
+    import compute.model.attention  # noqa: F401  (registers the "paged" attention function)
     from bench.serve import serve_jobs, stack_on
-    from compute.engine import Engine
-    from compute.scheduler import SchedulerConfig
+    from compute.batch.scheduler import SchedulerConfig
+    from compute.loop.engine import Engine
     from contracts.heap import tune_gc_for_serving
     from contracts.tokenizer import BOS, EOS, PAD, byte_tokenizer
     from kvstore.client import KVClient

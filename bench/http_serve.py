@@ -52,7 +52,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.gpu_monitor import GpuMonitor  # noqa: E402
 from bench.shapes import checkpoint  # noqa: E402
-from compute.scheduler import SchedulerConfig  # noqa: E402
+from compute.batch.scheduler import SchedulerConfig  # noqa: E402
 from gateway.config import ADMIN_TOKEN_ENV  # noqa: E402
 from pagedserve.config import add_arguments, from_namespace, to_flags  # noqa: E402
 from pagedserve.procs import interrupt  # noqa: E402

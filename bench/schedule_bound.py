@@ -2,7 +2,7 @@
 composes its steps. CPU only: a model, fed with ceilings measured on the GPU.
 
 The requests are those of ``bench/http_serve.py`` (``pagedserve bench --seed 0``: prompts
-64-1024 tokens, outputs 32-512). Steps are composed as ``compute.scheduler.Scheduler`` does:
+64-1024 tokens, outputs 32-512). Steps are composed as ``compute.batch.scheduler.Scheduler`` does:
 every running request that has its prompt decodes one token, then prompt chunks first come,
 first served, within ``--max-num-batched-tokens``; at most ``--max-num-seqs`` run, and a
 request that finishes makes room for the next. Each step costs
@@ -12,10 +12,10 @@ request that finishes makes room for the next. Each step costs
 - the lm_head on the sampled rows, at ``--products-tflops``;
 - its decodes' attention: every decode reads its context's K and V at ``--attention-tb-s``;
 - the padding of the CUDA graph it replays: a decode-only step of at most ``--graph-batch``
-  requests runs its products over its decode graph's batch bucket (``compute.graphs``), any
+  requests runs its products over its decode graph's batch bucket (``compute.model.graphs``), any
   other step of at most ``--graph-tokens`` tokens over its mixed graph's token bucket
-  (``compute.mixed_graphs``); the padded rows' products are priced as ``padding``. Larger steps
-  run eagerly, unpadded.
+  (``compute.model.mixed_graphs``); the padded rows' products are priced as ``padding``. Larger
+  steps run eagerly, unpadded.
 
 Everything else (norms, rotary, activations, prompt attention, gaps between kernels, host time)
 is left out: the figure is a bound the kernels as measured cannot beat, and the distance of a
@@ -41,8 +41,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.shapes import SHAPES, save_word_level_tokenizer, workload
-from compute.graphs import bucket_sizes
-from compute.mixed_graphs import token_buckets
+from compute.model.graphs import bucket_sizes
+from compute.model.mixed_graphs import token_buckets
 
 
 def bound(

@@ -41,11 +41,11 @@ sys.path.insert(0, str(ROOT))
 
 from bench.device_window import DeviceWindow  # noqa: E402
 from bench.shapes import SHAPES, Jobs, build_model, workload  # noqa: E402
-from compute.scheduler import SchedulerConfig  # noqa: E402  (pure Python, as is the next)
+from compute.batch.scheduler import SchedulerConfig  # noqa: E402  (pure Python, as is the next)
 from pagedserve.config import add_arguments, from_namespace, to_flags  # noqa: E402
 
 if TYPE_CHECKING:  # the baselines' processes import none of our GPU code
-    from compute.engine import Engine
+    from compute.loop.engine import Engine
 
 
 # ----------------------------------------------------------------------------- ours
@@ -177,10 +177,10 @@ def run_ours(
 ) -> dict:
     """The engine alone; it detokenizes with ``tokenizer``'s (a checkpoint directory) as the
     worker would, else with the byte tokenizer."""
-    import compute.attention  # noqa: F401  (registers the "paged" attention function)
-    from compute.engine import Engine
-    from compute.models import byte_tokenizer, load_tokenizer
-    from compute.profile import measure_prefill
+    import compute.model.attention  # noqa: F401  (registers the "paged" attention function)
+    from compute.loop.engine import Engine
+    from compute.model.models import byte_tokenizer, load_tokenizer
+    from compute.model.profile import measure_prefill
     from contracts.heap import tune_gc_for_serving
     from kvstore import protocol as p
     from kvstore.client import KVClient

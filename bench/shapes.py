@@ -87,7 +87,7 @@ def workload(n: int, seed: int = 0, tokenizer: str = "") -> Jobs:
 
 def build_model(config: LlamaConfig, attn: str, fused: bool = True) -> LlamaForCausalLM:
     """The random bf16 model on CUDA; with paged attention, fused as the worker fuses it
-    (``compute.fused``) unless ``fused`` is False. Initialized on the GPU (seconds for the 8B
+    (``compute.model.fused``) unless ``fused`` is False. Initialized on the GPU (seconds for the 8B
     shape, where the CPU takes minutes)."""
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -96,7 +96,7 @@ def build_model(config: LlamaConfig, attn: str, fused: bool = True) -> LlamaForC
         )
     model = model.eval()
     if attn == "paged" and fused:
-        from compute.fused import fuse_layers
+        from compute.model.fused import fuse_layers
 
         fuse_layers(model)
     return model

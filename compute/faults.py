@@ -19,8 +19,8 @@ Two kinds of exception pass through a boundary and are not a request's:
   engine's ``RECOVERABLE``).
 Batched work on the device (the forward, the penalties' and the draw's tensor operations) is the
 engine's, not a request's: what a request gives it (token ids, logit bias, stop ids) is checked
-against the model when the request is admitted (``compute.admission``), so it cannot fail there
-because of one request.
+against the model when the request is admitted (``compute.batch.admission``), so it cannot fail
+there because of one request.
 """
 
 from __future__ import annotations

@@ -13,16 +13,16 @@ from typing import TYPE_CHECKING
 
 import redis
 
-from compute.backoff import retry_with_backoff
-from compute.scheduler import SchedulerConfig
+from compute.batch.scheduler import SchedulerConfig
+from compute.loop.backoff import retry_with_backoff
 from contracts import options
 from contracts.heap import tune_gc_for_serving
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-    from compute.engine import Engine
-    from compute.profile import Profiles
+    from compute.loop.engine import Engine
+    from compute.model.profile import Profiles
     from kvstore.client import KVClient
     from kvstore.protocol import ProfileOrigin
 
@@ -140,8 +140,8 @@ def run(config: ComputeConfig, scheduling: SchedulerConfig) -> None:
     requests, a second stops at once. Logs the start-up's phases in one line."""
     options.configure_logging(config.log_level)
     phases = Phases()
-    from compute.models import load_model
-    from compute.profile_cache import obtain
+    from compute.model.models import load_model
+    from compute.model.profile_cache import obtain
     from contracts.model_config import resolve_device
     from kvstore.client import KVClient
 
@@ -192,7 +192,7 @@ def _start_engine(
 ) -> Engine | None:
     """The engine, once the kvstore and Redis answer (retried with backoff; None if a signal
     came first)."""
-    from compute.engine import RECOVERABLE, RETRY_MAX_S, Engine
+    from compute.loop.engine import RECOVERABLE, RETRY_MAX_S, Engine
 
     def start() -> Engine:
         return Engine(

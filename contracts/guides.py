@@ -2,7 +2,7 @@
 
 One definition for every process: the gateway checks a guide with ``guide_error`` before it queues
 the request (a precise 400), the compute workers compile ``grammar_of`` into per-sequence matchers
-(``compute.grammar``). Imports no torch.
+(``compute.sampling.grammar``). Imports no torch.
 
 JSON is generated compact (no whitespace between tokens: ``whitespace_flexible`` off), so a
 model cannot spend its tokens on spaces; a JSON Schema is followed as llguidance supports it

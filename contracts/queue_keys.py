@@ -77,7 +77,8 @@ STREAM_READ_COUNT = 256  # entries per XREAD in stream_output
 WAKE_TTL_S = 3600  # a wake stream outlives its reader by at most this
 # A gateway's liveness key lives this long unless renewed; gateways renew it every third of it,
 # so a live one may miss two renewals. Workers end a gateway's requests once its key has been
-# missing for compute.intake.GATEWAY_MISSING_S more (a Redis restart may lose a live one's key).
+# missing for compute.loop.intake.GATEWAY_MISSING_S more (a Redis restart may lose a live one's
+# key).
 GATEWAY_TTL_S = 6.0
 
 

@@ -36,13 +36,13 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     scoring, ``length_penalty`` as in Hugging Face: score = logprob_sum / length**penalty).
     ``presence_penalty``, ``frequency_penalty`` (OpenAI's), ``repetition_penalty`` (Hugging
     Face's, over prompt and output), ``logit_bias`` (token id -> bias) and ``min_tokens`` are
-    applied by ``compute.penalties`` (sampled rows only: beam search takes none of them).
+    applied by ``compute.sampling.penalties`` (sampled rows only: beam search takes none of them).
     ``logprobs``: with each sampled token, its log-probability and the ``logprobs`` most likely
     tokens' (0-20), from the model's distribution before penalties and temperature (vLLM's
     default, ``raw_logprobs``); None: none. ``prompt_logprobs``: the same for every prompt
     token after the first (0-20 top tokens), computed in the prefill; such a request reuses no
     cached prefix (the hit part would have no logits: it is computed again). ``guide``: the
-    output follows this grammar (``compute.grammar``), and ends at its EOS.
+    output follows this grammar (``compute.sampling.grammar``), and ends at its EOS.
     """
 
     max_tokens: int = 16
@@ -97,7 +97,7 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
                 raise ValueError(message)
 
     def uses_processors(self) -> bool:
-        """Whether any field ``compute.penalties`` applies differs from its default."""
+        """Whether any field ``compute.sampling.penalties`` applies differs from its default."""
         return bool(
             self.presence_penalty
             or self.frequency_penalty

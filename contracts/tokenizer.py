@@ -2,8 +2,8 @@
 
 Imports no torch itself (``AutoTokenizer``, for a checkpoint directory, does).
 
-One implementation for every process: compute workers (``compute.models``) and the gateway load
-tokenizers through ``load_tokenizer``. The byte tokenizer is a real ``PreTrainedTokenizerFast``
+One implementation for every process: compute workers (``compute.model.models``) and the gateway
+load tokenizers through ``load_tokenizer``. The byte tokenizer is a real ``PreTrainedTokenizerFast``
 (byte-level pre-tokenizer, a BPE model with 256 byte symbols and no merges): ids 0-255 are the
 bytes, 256 BOS ``<s>``, 257 EOS ``</s>``, 258 PAD ``<pad>``, matching
 ``contracts.model_config.tiny_config()``. It saves and loads back with ``save_pretrained`` /

@@ -5,7 +5,7 @@ specialization: new constexprs, an integer argument of a new class (1, a multipl
 or a pointer of a new alignment (16 bytes or not). From Triton's on-disk cache that takes
 milliseconds; without it (a fresh machine, a new Triton or kernel version) 0.3 s to seconds,
 and the launching thread, the engine's loop, stalls every request meanwhile. A worker compiles
-every variant it can foresee before it takes traffic (``compute.runner``); a variant it missed
+every variant it can foresee before it takes traffic (``compute.model.runner``); a variant it missed
 shows here: one WARNING per variant, with its kernel, its specialization and how long it took,
 and running totals the step timeline reports (the ``compile`` phase).
 

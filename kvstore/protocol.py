@@ -27,7 +27,7 @@ LOOKAHEAD_SLOTS = 2
 
 # The daemon's default --lease-timeout-s, its failure detector: a worker silent this long (it
 # sends a Step every engine step, every 100 ms when idle) is dead, and others may adopt its
-# requests; workers take a dead one's requests over in Redis after as long (compute/intake.py).
+# requests; workers take a dead one's requests over in Redis after as long (compute/loop/intake.py).
 LEASE_TIMEOUT_S = 6.0
 
 PoolKind = Literal["shm", "cuda_ipc"]
@@ -165,7 +165,7 @@ class TokenBatch(_Item):
 
 class StepTimeline(_Item):
     """A worker's running totals since it started: steps, tokens computed, device seconds,
-    host seconds per engine phase (``compute.engine``) and steps whose prompts were held back
+    host seconds per engine phase (``compute.loop.engine``) and steps whose prompts were held back
     (``--prefill-interval``). The admin page turns two of them into per-step milliseconds."""
 
     steps: int

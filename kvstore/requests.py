@@ -82,7 +82,7 @@ def table_blocks(num_tokens: int, block_size: int) -> int:
     """The blocks a running request's table holds: the slots of its ``num_tokens`` known tokens
     and of the ``protocol.LOOKAHEAD_SLOTS`` after them. A worker feeds the token it samples to
     its next step from the device, before it reports it, and launches that step before the
-    kvstore's reply to its last report is applied (``compute.engine``): two tokens past what the
-    kvstore knows, whose slots must be in the table already, also when they begin a block, so
+    kvstore's reply to its last report is applied (``compute.loop.engine``): two tokens past what
+    the kvstore knows, whose slots must be in the table already, also when they begin a block, so
     that no sequence waits a step at a block boundary."""
     return cdiv(num_tokens + LOOKAHEAD_SLOTS, block_size)

@@ -16,7 +16,7 @@ import contextlib
 import faulthandler
 import io
 
-from compute.scheduler import SchedulerConfig
+from compute.batch.scheduler import SchedulerConfig
 from compute.worker import ComputeConfig
 from gateway.config import ADMIN_TOKEN_ENV, GatewayConfig
 from kvstore.daemon import KVStoreConfig

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerFast
 
-from compute.models import tiny_family_config
+from compute.model.models import tiny_family_config
 from tests.compute.driver import paged_model
 
 CHAT_TEMPLATE = (

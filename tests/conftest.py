@@ -27,7 +27,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ROOT = Path(__file__).resolve().parent.parent
-PROFILE_CACHE_ENV = "PAGEDSERVE_PROFILE_CACHE"  # compute.profile_cache.CACHE_ENV (no torch here)
+PROFILE_CACHE_ENV = (
+    "PAGEDSERVE_PROFILE_CACHE"  # compute.model.profile_cache.CACHE_ENV (no torch here)
+)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -67,7 +69,7 @@ def redis_client(redis_url: str) -> Iterator[object]:
 def tiny() -> tuple[PreTrainedModel, PreTrainedTokenizerBase, PreTrainedModel]:
     """The tiny model the engine tests serve, loaded once per module: (model, tokenizer, its
     reference)."""
-    from compute.models import load_model
+    from compute.model.models import load_model
     from tests.compute.driver import reference_model
 
     model, tokenizer = load_model("tiny", "float32", "cpu")

@@ -162,6 +162,31 @@ def test_no_import_circle_between_modules() -> None:
     assert not circles, circles
 
 
+# compute's wings, each importing only those before it (and compute's shared modules)
+WINGS = ("model", "sampling", "batch", "loop")
+
+
+def test_compute_wings_import_only_the_wings_below_them() -> None:
+    """compute/ is in wings: the model path, sampling, the requests and their batching, the
+    loop; a wing imports none after it, so no circle runs between wings either."""
+    graph = module_graph()
+    upward = [
+        f"{module}:{line} -> {imported}"
+        for module, edges in graph.items()
+        for imported, line in edges.items()
+        if (wing := _wing(module)) is not None
+        and (other := _wing(imported)) is not None
+        and WINGS.index(other) > WINGS.index(wing)
+    ]
+    assert not upward, upward
+    assert {w for m in graph if (w := _wing(m))} == set(WINGS), "every wing holds modules"
+
+
+def _wing(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 and parts[0] == "compute" else None
+
+
 def test_the_circle_check_finds_a_circle() -> None:
     graph = {"a": {"b": 1}, "b": {"c": 2}, "c": {"a": 3}, "d": {"a": 4}}
     assert import_cycles(graph) == [["a", "b", "c"]]

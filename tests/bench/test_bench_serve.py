@@ -6,8 +6,8 @@ from __future__ import annotations
 import redis
 
 from bench.serve import serve_jobs
-from compute.engine import Engine
-from compute.scheduler import SchedulerConfig
+from compute.batch.scheduler import SchedulerConfig
+from compute.loop.engine import Engine
 from kvstore.client import KVClient
 from tests.compute.serving import PROFILE
 from tests.conftest import start_kvstore, stop_process

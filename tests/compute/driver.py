@@ -17,8 +17,8 @@ from transformers import AutoModelForCausalLM, GenerationMixin, PreTrainedModel
 from transformers.generation import GenerateBeamDecoderOnlyOutput
 from transformers.generation.utils import GenerateOutput
 
-from compute.attention import ATTN_NAME
-from compute.runner import ModelRunner, ScheduledChunk
+from compute.model.attention import ATTN_NAME
+from compute.model.runner import ModelRunner, ScheduledChunk
 from contracts.model_config import kv_geometry
 from kvstore.manager import KVCacheManager
 
@@ -141,7 +141,7 @@ class GreedyDriver:
 
 def reference_model(model: PreTrainedModel) -> PreTrainedModel:
     """The same weights with transformers' own attention (SDPA) and forwards (those that
-    ``compute.fused`` bound to the instances are dropped)."""
+    ``compute.model.fused`` bound to the instances are dropped)."""
     ref = copy.deepcopy(model)
     for module in ref.modules():
         vars(module).pop("forward", None)

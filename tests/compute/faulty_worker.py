@@ -19,13 +19,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import compute.beams
-import compute.grammar
-import compute.logprobs
-import compute.model_step
-import compute.registry
-import compute.requests
-import compute.stops
+import compute.batch.beams
+import compute.batch.logprobs
+import compute.batch.registry
+import compute.batch.requests
+import compute.loop.model_step
+import compute.sampling.grammar
+import compute.sampling.stops
 from pagedserve.cli import main
 
 POISON_LOGPROBS = 17  # a request asking for this many top logprobs fails where they are built
@@ -59,29 +59,29 @@ def _killer(seed: int | None) -> bool:
 # stage -> (owner, attribute, whether a call is for a marked request)
 STAGES: dict[str, tuple[Any, str, Callable[..., bool]]] = {
     "admission": (
-        compute.registry.Requests,
+        compute.batch.registry.Requests,
         "start",
         lambda self, entry_id, record: (
             _killer(record.params.seed) or _id_marked(record.req_id, "admission")
         ),
     ),
     "adoption": (
-        compute.registry.Requests,
+        compute.batch.registry.Requests,
         "resume_streamed",
         lambda self, entry_id, record, streamed: _id_marked(record.req_id, "adoption"),
     ),
     "guide": (
-        compute.grammar.Grammars,
+        compute.sampling.grammar.Grammars,
         "matcher",
         lambda self, guide: "poison-guide" in guide.spec,
     ),
     "grammar": (
-        compute.requests.Branch,
+        compute.batch.requests.Branch,
         "accept",
         lambda self, offset, token: _id_marked(self.seq.seq_id, "grammar"),
     ),
     "sampling": (
-        compute.model_step.ModelStep,
+        compute.loop.model_step.ModelStep,
         "_rows",
         lambda self, i, chunk, active, branch, first: (
             _slow(active.record.params.seed, branch.seq.num_generated)
@@ -89,37 +89,37 @@ STAGES: dict[str, tuple[Any, str, Callable[..., bool]]] = {
         ),
     ),
     "penalties": (
-        compute.model_step.ModelStep,
+        compute.loop.model_step.ModelStep,
         "_processed_row",
         lambda self, row, chunk, *rest: _id_marked(chunk.seq.seq_id, "penalties"),
     ),
     "logprobs": (
-        compute.logprobs.Logprobs,
+        compute.batch.logprobs.Logprobs,
         "of",
         lambda self, row: row in self.rows and self.counts[self.rows.index(row)] == POISON_LOGPROBS,
     ),
     "prompt-logprobs": (
-        compute.logprobs.PromptLogprobs,
+        compute.batch.logprobs.PromptLogprobs,
         "store",
         lambda self, i: _id_marked(self.owners[i].record.req_id, "prompt-logprobs"),
     ),
     "stop": (
-        compute.stops.StopChecker,
+        compute.sampling.stops.StopChecker,
         "append",
         lambda self, token, last=False: "poison-stop" in self._stops,
     ),
     "beams": (
-        compute.beams.BeamGroup,
+        compute.batch.beams.BeamGroup,
         "advance",
         lambda self, scheduler: _id_marked(self._prefix, "beams"),
     ),
     "fork": (
-        compute.registry.Requests,
+        compute.batch.registry.Requests,
         "fork_branch",
         lambda self, active, index, first_token: _id_marked(active.record.req_id, "fork"),
     ),
     "output": (
-        compute.model_step,
+        compute.loop.model_step,
         "output_record",
         lambda active, *rest, **kw: _id_marked(active.record.req_id, "output"),
     ),

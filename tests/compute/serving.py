@@ -12,8 +12,8 @@ from typing import NamedTuple
 import redis
 import redis.asyncio
 
-from compute.engine import Engine
-from compute.scheduler import SchedulerConfig
+from compute.batch.scheduler import SchedulerConfig
+from compute.loop.engine import Engine
 from contracts import queue_gateway, queue_keys, queue_worker
 from contracts.records import (
     RequestRecord,

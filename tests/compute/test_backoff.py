@@ -1,11 +1,11 @@
-"""``compute.backoff.retry_with_backoff``: the delays between attempts, the errors that wait no
+"""``compute.loop.backoff.retry_with_backoff``: the delays between attempts, the errors that wait no
 more, and stopping."""
 
 from __future__ import annotations
 
 import pytest
 
-from compute import backoff
+from compute.loop import backoff
 
 
 def test_retries_with_doubled_delays_until_an_attempt_works(

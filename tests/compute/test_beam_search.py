@@ -1,4 +1,5 @@
-"""compute.beam_search: beam-search scoring, against Hugging Face's generate (CPU, no mocks)."""
+"""compute.sampling.beam_search: beam-search scoring, against Hugging Face's generate (CPU, no
+mocks)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import LlamaForCausalLM
 
-from compute.beam_search import BeamSearch, BeamStep, EarlyStopping, top_continuations
-from compute.models import EOS
+from compute.model.models import EOS
+from compute.sampling.beam_search import BeamSearch, BeamStep, EarlyStopping, top_continuations
 from contracts.model_config import tiny_config
 from tests.compute.driver import generate_beams
 

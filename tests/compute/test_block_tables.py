@@ -9,7 +9,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from compute.block_tables import DeviceBlockTables, TableRows
+from compute.model.block_tables import DeviceBlockTables, TableRows
 
 
 def gathered(tables: DeviceBlockTables, step: TableRows) -> list[list[int]]:

@@ -8,8 +8,8 @@ import random
 
 import torch
 
-from compute.block_tables import DeviceBlockTables, TableRows
-from compute.graphs import (
+from compute.model.block_tables import DeviceBlockTables, TableRows
+from compute.model.graphs import (
     INPUTS,
     WRITES,
     DecodeInputs,

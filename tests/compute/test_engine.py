@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from compute.engine import Engine
-from compute.models import FAMILIES, byte_tokenizer, tiny_family_config
-from compute.scheduler import Scheduler, SchedulerConfig, Sequence
+from compute.batch.scheduler import Scheduler, SchedulerConfig, Sequence
+from compute.loop.engine import Engine
+from compute.model.models import FAMILIES, byte_tokenizer, tiny_family_config
 from contracts import queue_worker
 from contracts.records import RequestRecord, SamplingParams, Streamed
 from kvstore.client import KVClient

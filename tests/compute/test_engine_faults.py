@@ -13,8 +13,8 @@ import pytest
 import redis
 from transformers import PreTrainedModel
 
-from compute.engine import RECOVERABLE, Engine
-from compute.scheduler import SchedulerConfig
+from compute.batch.scheduler import SchedulerConfig
+from compute.loop.engine import RECOVERABLE, Engine
 from contracts import queue_keys, queue_worker
 from contracts.records import (
     OutputRecord,

@@ -1,4 +1,4 @@
-"""Fused RMSNorm and attention forwards (``compute.fused``): the same logits as transformers.
+"""Fused RMSNorm and attention forwards (``compute.model.fused``): the same logits as transformers.
 
 On this CPU the fused kernels run in Triton's interpreter (fp32), so every family's rewritten
 attention forward (biases, Qwen3's q/k norms) is checked here; the GPU runs them in bf16.
@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compute.fused import fuse_layers
-from compute.models import FAMILIES, tiny_family_config
-from compute.runner import ModelRunner, ScheduledChunk
+from compute.model.fused import fuse_layers
+from compute.model.models import FAMILIES, tiny_family_config
+from compute.model.runner import ModelRunner, ScheduledChunk
 from tests.compute.driver import paged_model, reference_model
 
 

@@ -3,8 +3,8 @@
 Half precision makes greedy ties likely, so the check is teacher-forced: every logits row the
 runner produced during a chunked-prefill + decode run is compared with transformers' SDPA forward
 over the same tokens, and every greedy choice must be SDPA's argmax unless the two are a near tie.
-The fused forwards (``compute.fused``, what the worker runs) are held to an fp32 forward instead,
-as accurate as SDPA's bf16 (``check_as_accurate_as_sdpa``).
+The fused forwards (``compute.model.fused``, what the worker runs) are held to an fp32 forward
+instead, as accurate as SDPA's bf16 (``check_as_accurate_as_sdpa``).
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compute.fused import fuse_layers
-from compute.models import FAMILIES, load_model, tiny_family_config
-from compute.runner import Feed, ModelRunner, ScheduledChunk
+from compute.model.fused import fuse_layers
+from compute.model.models import FAMILIES, load_model, tiny_family_config
+from compute.model.runner import Feed, ModelRunner, ScheduledChunk
 from tests.compute.driver import (
     GreedyDriver,
     moved,
@@ -51,7 +51,7 @@ def check_against_sdpa(driver: GreedyDriver, tol: float) -> None:
 
 
 def check_as_accurate_as_sdpa(driver: GreedyDriver, margin: float = 1.5) -> None:
-    """The fused forwards round differently from transformers' (``compute.fused``), so their
+    """The fused forwards round differently from transformers' (``compute.model.fused``), so their
     logits are compared with the truth instead: an fp32 forward over the same tokens. Their
     error must stay within ``margin`` times the error of transformers' own bf16 SDPA forward
     (plus 1% of the logit scale), and every greedy choice be the truth's unless a near tie."""
@@ -82,7 +82,7 @@ def test_cuda_chunked_prefill_and_decode_match_sdpa(
     config = tiny_family_config(family)
     config.head_dim = head_dim
     model = moved(paged_model(config, seed=FAMILIES.index(family)), cuda, torch.bfloat16)
-    if fused:  # as the worker loads it (compute.models.load_model)
+    if fused:  # as the worker loads it (compute.model.models.load_model)
         fuse_layers(model)
     gen = torch.Generator().manual_seed(9)
     prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in PROMPT_LENS]
@@ -205,7 +205,7 @@ def test_cuda_fp16_prefix_hit_and_block_size_32(cuda: torch.device) -> None:
 def test_load_tiny_on_cuda(cuda: torch.device) -> None:
     model, tok = load_model("tiny", "bfloat16", "cuda")
     assert model.device.type == "cuda"
-    assert "forward" in vars(model.model.norm)  # fused (compute.fused)
+    assert "forward" in vars(model.model.norm)  # fused (compute.model.fused)
     pool = torch.zeros(4, 2, 2, 16, 2, 16, dtype=torch.bfloat16, device=cuda)
     ids = tok("on the GPU")["input_ids"]
     logits = ModelRunner(model, pool, 16).forward([ScheduledChunk(ids, 0, [3])])

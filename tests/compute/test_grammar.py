@@ -1,5 +1,5 @@
-"""Structured output on the worker: the token masks (``compute.grammar``) exactly, and guided
-requests through the real engine (kvstore, Redis, overlapped steps) on the tiny model: 200
+"""Structured output on the worker: the token masks (``compute.sampling.grammar``) exactly, and
+guided requests through the real engine (kvstore, Redis, overlapped steps) on the tiny model: 200
 random JSON Schemas whose outputs all parse and validate, choices and regular expressions that
 match, a guide the grammar engine refuses failing alone."""
 
@@ -16,8 +16,8 @@ import redis
 import torch
 
 from bench.byte_vocab import byte_level_tokenizer
-from compute.grammar import GrammarError, Grammars, mask_rows, unpack_bitmask
-from compute.models import byte_tokenizer, load_model, tiny_family_config
+from compute.model.models import byte_tokenizer, load_model, tiny_family_config
+from compute.sampling.grammar import GrammarError, Grammars, mask_rows, unpack_bitmask
 from contracts import queue_keys
 from contracts.records import Guide, SamplingParams
 from contracts.tokenizer import EOS

@@ -12,7 +12,7 @@ import random
 import pytest
 from transformers import PreTrainedModel
 
-from compute.models import FAMILIES, tiny_family_config
+from compute.model.models import FAMILIES, tiny_family_config
 from tests.compute.driver import (
     GreedyDriver,
     generate_greedy,

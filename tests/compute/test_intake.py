@@ -9,11 +9,11 @@ import time
 
 import redis
 
-from compute.admission import ModelLimits
+from compute.batch.admission import ModelLimits
+from compute.batch.registry import Requests
+from compute.batch.scheduler import Scheduler, SchedulerConfig
 from compute.faults import Faults
-from compute.intake import GATEWAY_MISSING_S, Intake
-from compute.registry import Requests
-from compute.scheduler import Scheduler, SchedulerConfig
+from compute.loop.intake import GATEWAY_MISSING_S, Intake
 from contracts import queue_worker
 from contracts.tokenizer import load_tokenizer, output_decoder
 from tests.pagedserve.test_up import submit

@@ -9,7 +9,7 @@ import pytest
 import redis
 import torch
 
-from compute.models import byte_tokenizer, load_model, tiny_family_config
+from compute.model.models import byte_tokenizer, load_model, tiny_family_config
 from contracts import queue_keys
 from contracts.records import SamplingParams, TokenLogprob
 from tests.compute.driver import paged_model, reference_model

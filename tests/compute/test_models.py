@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from compute.attention import ATTN_NAME
-from compute.models import FAMILIES, byte_tokenizer, load_model, tiny_family_config
+from compute.model.attention import ATTN_NAME
+from compute.model.models import FAMILIES, byte_tokenizer, load_model, tiny_family_config
 from contracts.model_config import kv_geometry, tiny_config
 from tests.compute.driver import GreedyDriver, generate_greedy, paged_model, reference_model
 

@@ -1,4 +1,4 @@
-"""The overlapped engine step (``compute.model_step``): step N+1 is launched before step N's
+"""The overlapped engine step (``compute.loop.model_step``): step N+1 is launched before step N's
 tokens reach the host, decodes are fed from the device, and the lag changes nothing a client
 sees. Real processes: a kvstore daemon, Redis, the engine in this process, against transformers'
 own ``generate``."""
@@ -11,10 +11,10 @@ import pytest
 import redis
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-import compute.engine
-from compute.engine import Engine
-from compute.models import load_model
-from compute.scheduler import SchedulerConfig
+import compute.loop.engine
+from compute.batch.scheduler import SchedulerConfig
+from compute.loop.engine import Engine
+from compute.model.models import load_model
 from contracts import queue_keys, queue_worker
 from contracts.records import OutputRecord, RequestRecord, SamplingParams
 from kvstore import protocol as p
@@ -92,7 +92,7 @@ def test_overlapped_greedy_equals_generate_with_requests_joining_and_finishing_e
     device (the overlap ran). With a prefill interval of 3, prompts wait for every third step
     and the outputs are the same. Every step carries the worker's totals (the admin page's
     timeline), so the kvstore's last ones count the steps whose prompts waited."""
-    monkeypatch.setattr(compute.engine, "TIMELINE_EVERY_S", 0.0)
+    monkeypatch.setattr(compute.loop.engine, "TIMELINE_EVERY_S", 0.0)
     _, _, ref = served
     prompts = prompts_of([3 + 7 * i % 61 for i in range(24)], seed=11)
     jobs = {

@@ -13,7 +13,6 @@ mutating call on such a container (``self.a.x.append(...)``, ``other.x.update(..
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
 from tests.conftest import ROOT
 
@@ -37,9 +36,9 @@ MUTATORS = frozenset(
 # The writes kept on purpose: (file, the written expression's beginning) -> why. Each entry
 # must still match a write (a stale one fails the test).
 ALLOWED = {
-    # ``Sequence`` is a record defined in compute/scheduler.py, written only by its Scheduler
+    # ``Sequence`` is a record defined in compute/batch/scheduler.py, written only by its Scheduler
     ("scheduler.py", "seq."): "the scheduler's own Sequence records",
-    # ``Active``/``Branch`` (compute/requests.py) are built and owned by ``Requests``
+    # ``Active``/``Branch`` (compute/batch/requests.py) are built and owned by ``Requests``
     ("registry.py", "active."): "Requests fills in the Active records it makes",
     ("registry.py", "owner.cached_tokens"): "Requests records the kvstore's cache hit",
     ("requests.py", "active.prompt_logprobs"): "output_record hands the prompt logprobs over "
@@ -47,7 +46,7 @@ ALLOWED = {
     # ``StopChecker.append`` is the checker's own method (a token in), not a container's
     ("registry.py", "branch.stop.append"): "a method of the stop checker",
     ("model_step.py", "branch.stop.append"): "a method of the stop checker",
-    # ``Budget`` is a record of compute/profile.py that its measuring functions account into
+    # ``Budget`` is a record of compute/model/profile.py that its measuring functions account into
     ("profile.py", "budget."): "the same module's accumulator record",
     # load-time model surgery on transformers' modules (GPU code path: left as it is)
     ("fused.py", "module."): "fuses a transformers module in place",
@@ -98,12 +97,12 @@ def writes(source: str) -> list[tuple[int, str]]:
 
 def test_no_compute_object_writes_another_s_state() -> None:
     unexplained, used = [], set()
-    for path in sorted((ROOT / "compute").glob("*.py")):
+    for path in sorted((ROOT / "compute").rglob("*.py")):  # module names are unique
         for line, written in writes(path.read_text()):
             keys = [k for k in ALLOWED if k[0] == path.name and written.startswith(k[1])]
             used.update(keys)
             if not keys:
-                unexplained.append(f"{Path('compute', path.name)}:{line}: {written}")
+                unexplained.append(f"{path.relative_to(ROOT)}:{line}: {written}")
     assert not unexplained, "writes into another object's state:\n" + "\n".join(unexplained)
     assert not set(ALLOWED) - used, f"allow-list entries matching nothing: {set(ALLOWED) - used}"
 

@@ -1,5 +1,6 @@
-"""compute.penalties against direct references: Hugging Face's RepetitionPenaltyLogitsProcessor
-and OpenAI's formula, batched with rows that use none; then token for token through the engine."""
+"""compute.sampling.penalties against direct references: Hugging Face's
+RepetitionPenaltyLogitsProcessor and OpenAI's formula, batched with rows that use none; then token
+for token through the engine."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
-from compute.penalties import ProcessedRow, process_logits
+from compute.sampling.penalties import ProcessedRow, process_logits
 from contracts.records import SamplingParams
 from tests.compute.serving import prompts_of, run_engine
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from compute.models import load_model
-from compute.profile import measure_prefill
+from compute.model.models import load_model
+from compute.model.profile import measure_prefill
 from kvstore.cost_model import interpolate
 
 
@@ -19,7 +19,7 @@ def test_prefill_profile_grows_with_tokens_and_feeds_the_cost_model() -> None:
 def test_recompute_profile_times_chunks_after_a_context_and_feeds_the_pricing() -> None:
     """Forwards after a cached context cost more than from an empty one; pairs past the
     model's positions are left out; on CPU there are no graphs. ``Pricing`` fits the points."""
-    from compute.profile import measure_recompute
+    from compute.model.profile import measure_recompute
     from kvstore.cost_model import LinearCost, SwapCalibration
     from kvstore.pricing import Pricing
 

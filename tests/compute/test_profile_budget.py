@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from transformers import PreTrainedModel
 
-from compute.profile import (
+from compute.model.profile import (
     DEFAULT_TOKENS,
     MAX_WORST,
     RECOMPUTE_CONTEXTS,
@@ -116,7 +116,7 @@ def test_unlimited_measures_every_point_with_the_repeats_asked() -> None:
 
 @pytest.fixture(scope="module")
 def tiny() -> PreTrainedModel:
-    from compute.models import load_model
+    from compute.model.models import load_model
 
     model, _ = load_model("tiny", "float32", "cpu")
     return model
@@ -150,8 +150,8 @@ def test_a_warm_up_that_leaves_no_room_for_another_forward_is_the_measurement(
     tiny: PreTrainedModel,
 ) -> None:
     """The real forward, counted: with nothing left after the warm-up, it is the only one."""
-    from compute.profile import _median_forward, _scratch_pool
-    from compute.runner import ModelRunner, ScheduledChunk
+    from compute.model.profile import _median_forward, _scratch_pool
+    from compute.model.runner import ModelRunner, ScheduledChunk
 
     runner = ModelRunner(tiny, _scratch_pool(tiny, 16, 64), 16)
     forwards: list[int] = []

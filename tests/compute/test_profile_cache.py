@@ -10,8 +10,8 @@ import msgspec
 import pytest
 from transformers import PreTrainedModel
 
-from compute import profile_cache as pc
-from compute.profile import Profiles, RecomputeProfile
+from compute.model import profile_cache as pc
+from compute.model.profile import Profiles, RecomputeProfile
 from kvstore import protocol as p
 
 PROFILES = Profiles(
@@ -24,7 +24,7 @@ PROFILES = Profiles(
 
 @pytest.fixture(scope="module")
 def tiny() -> PreTrainedModel:
-    from compute.models import load_model
+    from compute.model.models import load_model
 
     model, _ = load_model("tiny", "float32", "cpu")
     return model

@@ -1,11 +1,11 @@
-"""The engine's pipelined Redis output (``compute.publisher``), against a real Redis."""
+"""The engine's pipelined Redis output (``compute.loop.publisher``), against a real Redis."""
 
 from __future__ import annotations
 
 import pytest
 import redis
 
-from compute.publisher import Publisher, Replies, resp_commands
+from compute.loop.publisher import Publisher, Replies, resp_commands
 from contracts import queue_keys, queue_worker
 from contracts.records import OutputRecord
 from tests.conftest import entry_record

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compute.attention import PagedBatch, copy_blocks_inplace, store_kv_inplace
-from compute.models import load_model, tiny_family_config
-from compute.runner import ModelRunner, ScheduledChunk
+from compute.model.attention import PagedBatch, copy_blocks_inplace, store_kv_inplace
+from compute.model.models import load_model, tiny_family_config
+from compute.model.runner import ModelRunner, ScheduledChunk
 from compute.transfer import host_tensor
 from kernels.reference import copy_blocks_reference, store_kv_reference
 from tests.compute.driver import paged_model, reference_model

@@ -1,4 +1,4 @@
-"""compute.sampling: sampling filters and seeds (CPU, no mocks)."""
+"""compute.sampling.sampling: sampling filters and seeds (CPU, no mocks)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from compute.sampling import RowState, filter_logits, sample
+from compute.sampling.sampling import RowState, filter_logits, sample
 from contracts.records import SamplingParams
 
 NEG = float("-inf")

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from compute.scheduler import Chunk, Scheduler, SchedulerConfig, SeqStatus, Sequence, running
+from compute.batch.scheduler import Chunk, Scheduler, SchedulerConfig, SeqStatus, Sequence, running
 from kvstore.manager import KVCacheManager
 from kvstore.protocol import LOOKAHEAD_SLOTS
 from kvstore.requests import KVError

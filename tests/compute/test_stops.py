@@ -1,4 +1,4 @@
-"""compute.stops: stop conditions and incremental detokenization (CPU, no mocks)."""
+"""compute.sampling.stops: stop conditions and incremental detokenization (CPU, no mocks)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from compute.models import EOS, byte_tokenizer
-from compute.stops import StopChecker, StopUpdate
+from compute.model.models import EOS, byte_tokenizer
+from compute.sampling.stops import StopChecker, StopUpdate
 from contracts.records import SamplingParams
 
 

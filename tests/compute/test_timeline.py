@@ -1,8 +1,8 @@
-"""The engine's timeline log line (``compute.timeline``)."""
+"""The engine's timeline log line (``compute.loop.timeline``)."""
 
 from __future__ import annotations
 
-from compute.timeline import TimelineLog
+from compute.loop.timeline import TimelineLog
 
 
 def test_a_line_every_period_with_per_step_averages_of_the_counters_growth() -> None:
@@ -32,7 +32,7 @@ def test_the_line_says_in_how_many_steps_prompts_were_held_back() -> None:
 
 
 def test_path_totals_count_steps_device_seconds_and_tokens_per_path() -> None:
-    from compute.timeline import PathTotals
+    from compute.loop.timeline import PathTotals
 
     totals = PathTotals()
     totals.add("decode_graph", 0.002, 128)

@@ -7,10 +7,10 @@ import re
 import subprocess
 from pathlib import Path
 
-from compute import profile_cache as pc
-from compute.models import load_model
-from compute.profile import Profiles, RecomputeProfile
-from compute.scheduler import SchedulerConfig
+from compute.batch.scheduler import SchedulerConfig
+from compute.model import profile_cache as pc
+from compute.model.models import load_model
+from compute.model.profile import Profiles, RecomputeProfile
 from compute.worker import ComputeConfig
 from kvstore import protocol as p
 from kvstore.client import KVClient

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from compute.intake import GATEWAY_MISSING_S
+from compute.loop.intake import GATEWAY_MISSING_S
 from contracts import queue_keys, queue_worker
 from contracts.queue_keys import GATEWAY_TTL_S
 from contracts.records import StreamedSequence

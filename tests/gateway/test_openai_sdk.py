@@ -14,7 +14,7 @@ import torch
 from openai.types import Completion, CompletionChoice, CompletionUsage
 from openai.types.chat import ChatCompletionChunk, ChatCompletionMessageParam
 
-from compute.models import load_model
+from compute.model.models import load_model
 from tests.compute.driver import reference_model
 from tests.stack import Stack
 

@@ -12,7 +12,7 @@ import openai
 import pytest
 import torch
 
-from compute.models import byte_tokenizer, load_model, tiny_family_config
+from compute.model.models import byte_tokenizer, load_model, tiny_family_config
 from tests.compute.driver import paged_model, reference_model
 from tests.stack import Stack, running_stack
 

@@ -101,7 +101,7 @@ def test_prefill_rejects_bad_inputs(device: torch.device) -> None:
 def test_decodes_and_prefills_of_one_step_write_into_one_out(
     device: torch.device, kernels: str
 ) -> None:
-    """A mixed step as ``compute.attention.attend`` runs it: the two leading decodes through
+    """A mixed step as ``compute.model.attention.attend`` runs it: the two leading decodes through
     the decode launcher into out[:2], the chunks after them through the prefill launcher
     (``first=2``) into the same ``out``. Every row matches one prefill over the whole step;
     rows past the step keep what ``out`` held."""

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from compute.scheduler import SchedulerConfig
+from compute.batch.scheduler import SchedulerConfig
 from compute.worker import ComputeConfig
 from kvstore.daemon import KVStoreConfig
 from pagedserve.cli import main

@@ -159,7 +159,7 @@ def test_sigkill_a_worker_mid_generation_another_finishes_without_prefilling_aga
     """Two real worker processes: A serves a request and is SIGKILLed mid-generation; B takes
     the request over from Redis, adopts the kvstore's blocks and finishes it. The output equals
     an uninterrupted run, and B computed only the tokens after A's last report, not the prompt."""
-    from compute.models import load_model
+    from compute.model.models import load_model
     from tests.compute.driver import generate_greedy, reference_model
     from tests.conftest import start_kvstore, stop_process
 

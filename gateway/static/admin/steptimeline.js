@@ -7,7 +7,7 @@
 "use strict";
 
 window.PagedserveTimeline = (() => {
-  // the engine's top-level phases, in step order (compute/engine.py); the others are parts of one
+  // the engine's top-level phases, in step order (compute/loop/engine.py); the others are parts of one
   const PHASES = ["redis_in", "launch", "process", "kvstore", "redis_out"];
   const PART_OF = {
     plan: "launch", forward: "launch", draw: "launch", compile: "launch", wait: "process",

@@ -20,8 +20,9 @@ transformers' own):
 
 The merged products read one weight made by stacking the separate ones; each original
 ``Linear`` keeps a view of its rows, so nothing is stored twice and the state dict is unchanged.
-The worker fuses on CUDA for fp16/bf16 models (``compute.models.load_model``). The kernels also
-run on the CPU under TRITON_INTERPRET=1, which is how the tests compare fused and unfused models.
+The worker fuses on CUDA for fp16/bf16 models (``compute.model.models.load_model``). The kernels
+also run on the CPU under TRITON_INTERPRET=1, which is how the tests compare fused and unfused
+models.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ from typing import Any
 import torch
 from torch.nn import functional
 
-from compute.attention import attend as attend_paged
-from compute.attention import paged_layer
+from compute.model.attention import attend as attend_paged
+from compute.model.attention import paged_layer
 
 __all__ = [
     "Fused",
@@ -85,7 +86,7 @@ def attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """A Llama/Mistral/Qwen2/Qwen3 attention module's forward over the paged pool. hidden_states:
     [1, T, hidden]; position_embeddings: (cos, sin), each [1, T, head_dim]; ``kwargs`` carry
-    ``paged`` (``compute.attention.PagedBatch``)."""
+    ``paged`` (``compute.model.attention.PagedBatch``)."""
     out = attend(
         self, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs
     )

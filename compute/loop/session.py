@@ -2,12 +2,12 @@
 ``Session``.
 
 A session holds the state of one connection's life: the scheduler, the requests
-(``compute.registry``), the kvstore bookkeeping (``compute.kvsync``), the launched steps
-(``compute.model_step``), the requests coming in (``compute.intake``), the per-request faults and
-the records of the requests it ended, not published yet. Nothing of it outlives the connection:
-after losing the kvstore or Redis (or finding the kvstore's state differs from its own) the
-engine drops the session (``drop``) and opens a new one, which rebuilds the requests from Redis
-(``compute.engine``). What lives as long as the process (the model, the runner over the
+(``compute.batch.registry``), the kvstore bookkeeping (``compute.loop.kvsync``), the launched steps
+(``compute.loop.model_step``), the requests coming in (``compute.loop.intake``), the per-request
+faults and the records of the requests it ended, not published yet. Nothing of it outlives the
+connection: after losing the kvstore or Redis (or finding the kvstore's state differs from its own)
+the engine drops the session (``drop``) and opens a new one, which rebuilds the requests from Redis
+(``compute.loop.engine``). What lives as long as the process (the model, the runner over the
 kvstore's pool, the publisher, the timeline) is the engine's.
 
 The worker holds nothing that cannot be rebuilt: request state is in Redis (the request entry,
@@ -30,16 +30,16 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 
 import redis
 
-from compute.admission import ModelLimits
+from compute.batch.admission import ModelLimits
+from compute.batch.registry import Requests
+from compute.batch.requests import Active
+from compute.batch.scheduler import Scheduler, SchedulerConfig
 from compute.faults import Faults
-from compute.grammar import Grammars
-from compute.intake import Intake
-from compute.kvsync import KVSync, Refusal
-from compute.model_step import ModelStep
-from compute.registry import Requests
-from compute.requests import Active
-from compute.runner import ModelRunner
-from compute.scheduler import Scheduler, SchedulerConfig
+from compute.loop.intake import Intake
+from compute.loop.kvsync import KVSync, Refusal
+from compute.loop.model_step import ModelStep
+from compute.model.runner import ModelRunner
+from compute.sampling.grammar import Grammars
 from contracts import queue_worker
 from contracts.queue_keys import Checked
 from contracts.records import ErrorCode, FinishReason, OutputRecord

@@ -29,8 +29,8 @@ from typing import TypeVar
 import torch
 from transformers import PreTrainedModel
 
-from compute.mixed_graphs import MIXED_GRAPH_MODEL_TYPES, token_buckets
-from compute.runner import ModelRunner, ScheduledChunk
+from compute.model.mixed_graphs import MIXED_GRAPH_MODEL_TYPES, token_buckets
+from compute.model.runner import ModelRunner, ScheduledChunk
 from contracts.model_config import kv_geometry
 
 log = logging.getLogger("pagedserve.compute")

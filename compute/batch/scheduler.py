@@ -5,7 +5,7 @@ which one is preempted when the kvstore runs out of blocks.
 Pure Python, owned and called by the engine loop's single thread. Block tables only ever come
 from the kvstore's replies (``placed``/``grown``); the scheduler never invents a block id.
 
-Overlap (``compute.model_step``): a step is launched before the previous one's tokens reach the
+Overlap (``compute.loop.model_step``): a step is launched before the previous one's tokens reach the
 host. A sequence whose last sampled token is still on the device (``inflight``) runs its next
 decode with that token fed from the device (a ``fed`` chunk), provided its block table already
 has the slot (the kvstore keeps two past every running table's last token,
@@ -133,9 +133,9 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    """Policy over the sequences it is handed (their one map is ``compute.registry.Requests``):
-    which run next and how far, which are placed, which one is preempted; and the transitions
-    of a sequence's counts, which only it writes."""
+    """Policy over the sequences it is handed (their one map is
+    ``compute.batch.registry.Requests``): which run next and how far, which are placed, which one is
+    preempted; and the transitions of a sequence's counts, which only it writes."""
 
     def __init__(self, config: SchedulerConfig, block_size: int) -> None:
         self.config = config

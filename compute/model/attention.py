@@ -1,7 +1,7 @@
 """The paged attention function that transformers models call in place of SDPA/eager.
 
-``import compute.attention`` registers it as ``attn_implementation="paged"`` (``ATTN_NAME``) in
-transformers' global ``AttentionInterface``. Each decoder layer then calls
+``import compute.model.attention`` registers it as ``attn_implementation="paged"`` (``ATTN_NAME``)
+in transformers' global ``AttentionInterface``. Each decoder layer then calls
 ``paged_attention_forward(module, query, key, value, attention_mask, scaling=..., **kwargs)``, where
 ``kwargs`` are the extra keyword arguments of ``model(...)`` (transformers 5 passes them through to
 the attention function). The runner passes one of them, ``paged=PagedBatch(...)``, with everything
@@ -61,7 +61,7 @@ class PagedBatch:
     max_context_len: int  # largest context_lens entry (host int)
     pool: torch.Tensor  # [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]
     num_decodes: int = 0  # the first chunks that are one token each (rows 0..num_decodes-1)
-    # Set in a CUDA graph of mixed steps (``compute.mixed_graphs``), where the step's work is
+    # Set in a CUDA graph of mixed steps (``compute.model.mixed_graphs``), where the step's work is
     # read on the device: decode_count [1] int32 (the leading one-token chunks), tiles [N, 2]
     # int32 (the prompt chunks' (chunk, query tile) pairs) and tile_count [1] int32 (how many
     # of them are the step's); ``num_decodes`` and ``max_query_len`` are unused then.

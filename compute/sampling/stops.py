@@ -5,7 +5,7 @@
   back).
 * ``StopUpdate``: what one token appended to a ``StopChecker`` produced (new text, finish).
 
-Beam search has its own stopping rules (``compute.beam_search``). Pure Python: no torch.
+Beam search has its own stopping rules (``compute.sampling.beam_search``). Pure Python: no torch.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A launched model step and what processing it gives (``compute.model_step`` launches and
+"""A launched model step and what processing it gives (``compute.loop.model_step`` launches and
 processes them): ``Row``, ``Launched``, ``Processed``; and the pure work of a launch on its
 chunks: the runner's inputs (``scheduled``, ``feed``) and the guided rows' grammar masks
 (``masked``).
@@ -13,15 +13,15 @@ from typing import NamedTuple
 import torch
 from llguidance import LLMatcher
 
+from compute.batch.logprobs import Logprobs, PromptLogprobs, sampled_logprobs
+from compute.batch.registry import Requests
+from compute.batch.requests import Active
+from compute.batch.scheduler import Chunk
 from compute.faults import Faults
-from compute.grammar import Masks
-from compute.logprobs import Logprobs, PromptLogprobs, sampled_logprobs
-from compute.penalties import ProcessedRow, process_logits
-from compute.registry import Requests
-from compute.requests import Active
-from compute.runner import Feed, ForwardPath, ScheduledChunk
-from compute.sampling import RowState, sample
-from compute.scheduler import Chunk
+from compute.model.runner import Feed, ForwardPath, ScheduledChunk
+from compute.sampling.grammar import Masks
+from compute.sampling.penalties import ProcessedRow, process_logits
+from compute.sampling.sampling import RowState, sample
 from compute.transfer import to_device
 from contracts.records import OutputRecord
 from kvstore import protocol as p
@@ -203,7 +203,7 @@ class Drawing(NamedTuple):
 
     rows: list[Row]
     states: list[RowState]  # each row's sampling state
-    processed: list[ProcessedRow]  # the rows ``compute.penalties`` processes
+    processed: list[ProcessedRow]  # the rows ``compute.sampling.penalties`` processes
     guided: list[int]  # rows whose grammar masks them
 
 

@@ -12,7 +12,7 @@ The overlapped engine feeds a sequence's drawn token to the next step before the
 it, and a guided row's next mask needs that token. The mask is needed only to draw, after the
 forward pass: the engine enqueues step N+1's forward, then waits for step N's ids (the device
 runs N+1's forward meanwhile), lets the matchers accept them and computes N+1's masks
-(``compute.launched.masked``). A matcher that ended (or refused a token) allows only EOS: a row
+(``compute.loop.launched.masked``). A matcher that ended (or refused a token) allows only EOS: a row
 drawn after its sequence stopped, which the lag makes possible, draws EOS and is dropped.
 """
 

@@ -35,8 +35,8 @@ from collections.abc import Sequence
 import torch
 from transformers import PreTrainedModel
 
-from compute.attention import PagedBatch, check_window
-from compute.block_tables import DeviceBlockTables, TableRows
+from compute.model.attention import PagedBatch, check_window
+from compute.model.block_tables import DeviceBlockTables, TableRows
 from compute.transfer import Staging
 from contracts.model_config import kv_geometry
 

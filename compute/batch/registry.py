@@ -13,9 +13,10 @@ branches beyond the first are forked from it at the kvstore in the same step (th
 shared, the last one copied on write) and stream under their own index. A branch that ends on
 its first token is never forked.
 Beam search (``beam_width > 1``): the live beams are sequences that share blocks through fork
-(``compute.beams``); the request publishes its ``n`` best hypotheses when the search ends. Taking
-over an ``n > 1`` request adopts each unfinished branch; a beam search restarts on the prompt's
-blocks (nothing of it was streamed), which gives the same answer: its scoring is deterministic.
+(``compute.batch.beams``); the request publishes its ``n`` best hypotheses when the search ends.
+Taking over an ``n > 1`` request adopts each unfinished branch; a beam search restarts on the
+prompt's blocks (nothing of it was streamed), which gives the same answer: its scoring is
+deterministic.
 """
 
 from __future__ import annotations
@@ -26,18 +27,18 @@ from collections.abc import Callable, Collection, Iterator
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING, NamedTuple
 
-from compute.admission import SEQUENCE_MARK
-from compute.beams import BeamGroup
+from compute.batch.admission import SEQUENCE_MARK
+from compute.batch.beams import BeamGroup
+from compute.batch.requests import Active, Branch
+from compute.batch.scheduler import Scheduler, SeqStatus, Sequence, running
 from compute.faults import RequestError
-from compute.requests import Active, Branch
-from compute.scheduler import Scheduler, SeqStatus, Sequence, running
-from compute.stops import StopChecker
+from compute.sampling.stops import StopChecker
 from contracts.records import RequestRecord, Streamed
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher
 
-    from compute.grammar import Grammars
+    from compute.sampling.grammar import Grammars
 
 
 class _Held(NamedTuple):

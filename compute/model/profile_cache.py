@@ -24,7 +24,7 @@ import msgspec
 import torch
 from transformers import PreTrainedModel
 
-from compute.profile import Budget, Profiles, RecomputeProfile, measure_profiles
+from compute.model.profile import Budget, Profiles, RecomputeProfile, measure_profiles
 from kvstore import protocol as p
 
 log = logging.getLogger("pagedserve.compute")

@@ -24,9 +24,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from compute.registry import Requests
-from compute.requests import Active
-from compute.scheduler import SeqStatus, Sequence
+from compute.batch.registry import Requests
+from compute.batch.requests import Active
+from compute.batch.scheduler import SeqStatus, Sequence
 from contracts.records import ErrorCode
 from kvstore import protocol as p
 from kvstore.client import KVClient

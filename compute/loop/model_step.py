@@ -2,8 +2,8 @@
 
 ``launch`` plans a step (``Scheduler.schedule``), packs it, and enqueues its forward pass and its
 token draw on the device, with the drawn ids copied to pinned host memory; it returns without
-waiting (``compute.launched``). ``collect`` processes the step launched before: it waits for its
-ids and does its host work (the tokens join their sequences, stop conditions and detokenization
+waiting (``compute.loop.launched``). ``collect`` processes the step launched before: it waits for
+its ids and does its host work (the tokens join their sequences, stop conditions and detokenization
 run, branches fork, finished sequences end) and returns the records to publish with the forks,
 ends and complete copies the kvstore must hear (``Processed``).
 
@@ -36,17 +36,26 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
+from compute.batch.logprobs import Logprobs, split_prompt_rows
+from compute.batch.registry import Requests
+from compute.batch.requests import Active, Branch, output_record
+from compute.batch.scheduler import Chunk, SeqStatus
 from compute.faults import Faults
-from compute.kvsync import final_item
-from compute.launched import Drawing, Launched, Processed, Row, collector, draw, feed, scheduled
-from compute.logprobs import Logprobs, split_prompt_rows
-from compute.penalties import ProcessedRow
-from compute.registry import Requests
-from compute.requests import Active, Branch, output_record
-from compute.runner import ModelRunner
-from compute.sampling import RowState
-from compute.scheduler import Chunk, SeqStatus
-from compute.timeline import PathTotals
+from compute.loop.kvsync import final_item
+from compute.loop.launched import (
+    Drawing,
+    Launched,
+    Processed,
+    Row,
+    collector,
+    draw,
+    feed,
+    scheduled,
+)
+from compute.loop.timeline import PathTotals
+from compute.model.runner import ModelRunner
+from compute.sampling.penalties import ProcessedRow
+from compute.sampling.sampling import RowState
 from contracts.records import OutputRecord, SamplingParams
 from kvstore import protocol as p
 
@@ -223,8 +232,8 @@ class ModelStep:
     def _processed_row(
         self, row: int, chunk: Chunk, params: SamplingParams, generated: int, branch: Branch
     ) -> ProcessedRow:
-        """What ``compute.penalties`` reads of a row drawing ``chunk``'s sequence's next token:
-        its tokens (the newest one still on the device if the chunk is fed) and, while under
+        """What ``compute.sampling.penalties`` reads of a row drawing ``chunk``'s sequence's next
+        token: its tokens (the newest one still on the device if the chunk is fed) and, while under
         ``min_tokens``, its stop ids to mask."""
         seq = chunk.seq
         fed = self._inflight.row_of[seq.seq_id] if chunk.fed and self._inflight else -1

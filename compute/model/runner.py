@@ -20,10 +20,10 @@ from typing import Literal, NamedTuple
 import torch
 from transformers import PreTrainedModel
 
-from compute.attention import ATTN_NAME, PagedBatch, copy_blocks_inplace
-from compute.block_tables import DeviceBlockTables, TableRows
-from compute.graphs import DecodeGraphs
-from compute.mixed_graphs import MIXED_GRAPH_MODEL_TYPES, MixedGraphs
+from compute.model.attention import ATTN_NAME, PagedBatch, copy_blocks_inplace
+from compute.model.block_tables import DeviceBlockTables, TableRows
+from compute.model.graphs import DecodeGraphs
+from compute.model.mixed_graphs import MIXED_GRAPH_MODEL_TYPES, MixedGraphs
 from compute.transfer import to_device
 from contracts.model_config import kv_geometry
 from kvstore import protocol as p
@@ -96,8 +96,8 @@ class ModelRunner:
         """``cuda_graph_max_batch`` > 0 (CUDA only): capture decode forwards of up to that many
         requests as CUDA graphs now, and replay them for decode-only steps.
         ``cuda_graph_max_tokens`` > 0 (CUDA, Llama/Mistral/Qwen2/Qwen3): capture forwards of up
-        to that many tokens in up to ``max_chunks`` chunks (``compute.mixed_graphs``), and replay
-        them for the other steps that fit; ``cuda_graph_token_buckets``: only graphs of these
+        to that many tokens in up to ``max_chunks`` chunks (``compute.model.mixed_graphs``), and
+        replay them for the other steps that fit; ``cuda_graph_token_buckets``: only graphs of these
         token counts (a profile's scratch runner; default: ``token_buckets``). ``startup_s``:
         the seconds construction spent compiling kernels and capturing each kind of graph."""
         config = model.config

@@ -1,11 +1,11 @@
-"""A worker's requests in from Redis, for the engine's loop (``compute.engine``).
+"""A worker's requests in from Redis, for the engine's loop (``compute.loop.engine``).
 
 ``Intake`` starts the requests the worker's last Redis job read, reads new ones itself when the
 engine is idle, keeps the worker's claim on its pending requests (``queue_worker.touch``), takes
 over those of dead workers (``queue_worker.claim_stale``), and tells which gateways have been gone
 long enough for their requests to end. It owns the requests read but not started yet, the lease
 clock and the gateways seen missing; the requests it starts belong to ``Requests``. Each engine
-session (``compute.session``) has its own, with its ``Requests``.
+session (``compute.loop.session``) has its own, with its ``Requests``.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from collections.abc import Callable
 
 import redis
 
-from compute.admission import ModelLimits, check_request
+from compute.batch.admission import ModelLimits, check_request
+from compute.batch.registry import Requests
 from compute.faults import Faults
-from compute.registry import Requests
 from contracts import queue_worker
 from contracts.records import ErrorCode, OutputRecord, RecordError, RequestRecord, Streamed
 
@@ -35,7 +35,7 @@ class Intake:
     """Requests in for worker ``worker_id``. ``free_later`` frees the kvstore's sequences of a
     request another worker took over (``ModelStep.free_later``). A request is started (or taken
     over) inside its fault boundary (``compute.faults``): one that is refused there (``limits``,
-    ``compute.admission``) or fails is answered with an error record and acked, and never
+    ``compute.batch.admission``) or fails is answered with an error record and acked, and never
     becomes active."""
 
     def __init__(

@@ -5,7 +5,8 @@
 * ``filter_logits``: the top-k / top-p filtering ``sample`` applies.
 * ``RowState``: what ``sample`` needs of a row's sequence; ``derive_seed``: its draw's seed.
 
-Stop conditions are ``compute.stops``'s, beam-search scoring ``compute.beam_search``'s.
+Stop conditions are ``compute.sampling.stops``'s, beam-search scoring
+``compute.sampling.beam_search``'s.
 
 Seeds. The draw of a seeded sequence at output position ``t`` is made with a ``torch.Generator``
 seeded from ``blake2b(seed, seq_index, t)`` (``seq_index`` = which of the request's ``n``
@@ -107,7 +108,7 @@ def sample(logits: torch.Tensor, rows: Sequence[RowState]) -> SampleOutput:
     ``temperature == 0``: argmax of the raw logits (Hugging Face greedy; first index on ties; top-k
     and top-p are ignored). Otherwise temperature, top-k, top-p, then an exponential race
     ``argmax(p / E)``, ``E ~ Exp(1)`` per token, which draws exactly from ``p``. Beam-search rows
-    do not come here (see ``compute.beam_search.BeamSearch``).
+    do not come here (see ``compute.sampling.beam_search.BeamSearch``).
     """
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")

@@ -2,26 +2,26 @@
 
 ``Engine`` lives as long as the process: the model, the runner over the kvstore's pool, the
 publisher, the heartbeat and the timeline. What one connection to the kvstore and Redis holds is
-its ``Session`` (``compute.session``): dropped and built again on recovery.
+its ``Session`` (``compute.loop.session``): dropped and built again on recovery.
 
 One step (single-threaded), with the device's work overlapped by the host's (docs/architecture.md,
 "One engine step"). Each of its three one-step lags is a submit/collect pair on its owner: the
 model step (``ModelStep.launch``/``collect``), the kvstore's Step (``KVSync.submit``/``collect``)
 and the Redis job (``Publisher.submit``/``collect``):
-1. take new requests from the Redis consumer group while there is room (``compute.intake``);
+1. take new requests from the Redis consumer group while there is room (``compute.loop.intake``);
 2. launch the next model step (plan, copy-on-write copies, pack, forward and token draw enqueued
    on the device; decodes whose last token is still on the device are fed from it);
 3. collect the step launched before (its ids, stop checks and detokenization, forks, ends) and,
    while the device computes, the kvstore's reply to the last Step: when it has no block for a
    running sequence, preempt the latest arrival (the kvstore's cost model picks swap or
    recompute) and retry, one more round trip;
-4. submit one kvstore ``Step`` (``compute.kvsync``) from what that processing handed over: free
+4. submit one kvstore ``Step`` (``compute.loop.kvsync``) from what that processing handed over: free
    finished sequences, report every running sequence's new tokens and computed count,
    resume/admit what fits; its reply is collected at the next turn (the daemon works on it
    meanwhile; the tables' two lookahead slots let the next launch feed two tokens ahead);
 5. collect the last Redis job and submit this step's, one pipelined batch: the deltas, acks,
    abort/gateway checks and a read of new requests, as many as there is room for
-   (``compute.publisher``: a busy engine never waits for Redis to hand it requests).
+   (``compute.loop.publisher``: a busy engine never waits for Redis to hand it requests).
 
 """
 
@@ -36,20 +36,20 @@ from collections.abc import Callable, Mapping
 import redis
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from compute.admission import ModelLimits
-from compute.backoff import retry_with_backoff
-from compute.grammar import GrammarsOnce
-from compute.heartbeat import Heartbeat
-from compute.kvsync import Diverged
-from compute.model_step import ModelStep
-from compute.profile import RecomputeProfile
-from compute.publisher import Publisher
-from compute.registry import Requests
-from compute.requests import Active
-from compute.runner import ModelRunner
-from compute.scheduler import Scheduler, SchedulerConfig
-from compute.session import Session
-from compute.timeline import TimelineLog
+from compute.batch.admission import ModelLimits
+from compute.batch.registry import Requests
+from compute.batch.requests import Active
+from compute.batch.scheduler import Scheduler, SchedulerConfig
+from compute.loop.backoff import retry_with_backoff
+from compute.loop.heartbeat import Heartbeat
+from compute.loop.kvsync import Diverged
+from compute.loop.model_step import ModelStep
+from compute.loop.publisher import Publisher
+from compute.loop.session import Session
+from compute.loop.timeline import TimelineLog
+from compute.model.profile import RecomputeProfile
+from compute.model.runner import ModelRunner
+from compute.sampling.grammar import GrammarsOnce
 from contracts import queue_keys
 from contracts.queue_keys import Checked
 from contracts.records import OutputRecord
@@ -89,8 +89,8 @@ class Engine:
         every ``claim_idle_ms / 4``). ``cuda_graph_max_batch``: decode steps up to that size
         replay CUDA graphs; ``cuda_graph_max_tokens``: other steps up to that many tokens
         replay CUDA graphs of mixed steps (CUDA only, ``ModelRunner``). The profiles go to the
-        kvstore's cost model (``compute.profile``), with ``profile_origin``. ``heartbeat``: a
-        thread keeps its leases while a step is long (``compute.heartbeat``; the worker
+        kvstore's cost model (``compute.model.profile``), with ``profile_origin``. ``heartbeat``: a
+        thread keeps its leases while a step is long (``compute.loop.heartbeat``; the worker
         process's engine has one)."""
         self.worker_id = worker_id
         self.model = model
@@ -363,7 +363,7 @@ class Engine:
         request and drains the running ones; a second signal returns at once. Losing the
         kvstore or Redis does not stop it: it rebuilds (``recover``) and goes on; a signal while
         it rebuilds stops it at once (it holds no request then). Every 10 s of work it logs its
-        per-step timeline (``compute.timeline``)."""
+        per-step timeline (``compute.loop.timeline``)."""
         timeline = TimelineLog()
         connected = True
         while len(signals) < 2:

@@ -23,7 +23,7 @@ __all__ = ["PathTotals", "TimelineLog"]
 @dataclass
 class PathTotals:
     """Processed steps, their device seconds and computed tokens, per way a forward ran
-    (``compute.runner.ForwardPath``): where the device time goes, decode graphs against
+    (``compute.model.runner.ForwardPath``): where the device time goes, decode graphs against
     mixed-step graphs against eager forwards. Counters."""
 
     totals: dict[str, tuple[int, float, int]] = field(default_factory=dict)

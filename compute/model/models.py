@@ -1,8 +1,8 @@
 """Model loading for compute workers: ``tiny`` (random weights, byte tokenizer) or a local HF
 checkpoint directory (``smollm2`` and GGUF files resolve to one: ``contracts.checkpoints``).
 Every model is loaded with the paged attention function (``attn_implementation="paged"``, see
-``compute.attention``); fp16/bf16 models on CUDA also get fused RMSNorm, attention and MLP
-forwards (``compute.fused``).
+``compute.model.attention``); fp16/bf16 models on CUDA also get fused RMSNorm, attention and MLP
+forwards (``compute.model.fused``).
 
 Tokenizers (the byte tokenizer of ``tiny``, or the checkpoint's) come from
 ``contracts.tokenizer``, the one implementation the gateway uses too.
@@ -23,8 +23,8 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from compute.attention import ATTN_NAME
-from compute.fused import fuse_layers
+from compute.model.attention import ATTN_NAME
+from compute.model.fused import fuse_layers
 from contracts.checkpoints import resolve_model
 from contracts.model_config import TINY, resolve_dtype, tiny_config
 from contracts.tokenizer import BOS, EOS, PAD, byte_tokenizer, load_tokenizer

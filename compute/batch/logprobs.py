@@ -15,9 +15,9 @@ from functools import cached_property
 
 import torch
 
+from compute.batch.requests import Active
+from compute.batch.scheduler import Chunk
 from compute.faults import Faults
-from compute.requests import Active
-from compute.scheduler import Chunk
 from compute.transfer import to_device
 from contracts.records import SamplingParams, TokenLogprob
 

@@ -26,8 +26,8 @@ from typing import NamedTuple
 import torch
 from transformers import PreTrainedModel
 
-from compute.attention import PagedBatch
-from compute.block_tables import DeviceBlockTables, TableRows
+from compute.model.attention import PagedBatch
+from compute.model.block_tables import DeviceBlockTables, TableRows
 from compute.transfer import Staging
 
 log = logging.getLogger("pagedserve.compute")

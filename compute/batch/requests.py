@@ -1,7 +1,7 @@
 """What a compute worker knows of each request it serves, and the output records it publishes.
 
-Owned by the worker's ``compute.registry.Requests``; rebuilt from Redis when another worker takes
-a request over.
+Owned by the worker's ``compute.batch.registry.Requests``; rebuilt from Redis when another worker
+takes a request over.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING
 
-from compute.beams import BeamGroup
-from compute.scheduler import SeqStatus, Sequence
-from compute.stops import StopChecker
+from compute.batch.beams import BeamGroup
+from compute.batch.scheduler import SeqStatus, Sequence
+from compute.sampling.stops import StopChecker
 from contracts.records import FinishReason, OutputRecord, RequestRecord, TokenLogprob
 
 if TYPE_CHECKING:
@@ -56,7 +56,8 @@ class Active:
 
     @cached_property
     def processed(self) -> bool:
-        """Its rows go through ``compute.penalties`` (decided once: the params are frozen)."""
+        """Its rows go through ``compute.sampling.penalties`` (decided once: the params are
+        frozen)."""
         return self.record.params.uses_processors()
 
     def branch_started(self) -> None:

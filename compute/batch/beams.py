@@ -10,7 +10,7 @@ A search round needs the next-token logits of every live beam. A beam whose forw
 preemption. The round then runs ``BeamSearch.step`` over all of them at once.
 
 Owned by the engine's loop; it mutates the scheduler only through ``append_sampled`` and
-``fork``. The scoring and stopping rules are ``compute.beam_search.BeamSearch``'s.
+``fork``. The scoring and stopping rules are ``compute.sampling.beam_search.BeamSearch``'s.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from compute.beam_search import BeamSearch
-from compute.scheduler import Scheduler, SeqStatus, Sequence
+from compute.batch.scheduler import Scheduler, SeqStatus, Sequence
+from compute.sampling.beam_search import BeamSearch
 
 if TYPE_CHECKING:
     from contracts.records import FinishReason, SamplingParams

@@ -6,7 +6,7 @@
 * ``top_continuations``: the k best (beam, token) continuations of a step.
 
 The engine's side (the beams' sequences in the scheduler, their logits, forks and frees) is
-``compute.beams.BeamGroup``; it computes the log-softmax this module's ``step`` takes.
+``compute.batch.beams.BeamGroup``; it computes the log-softmax this module's ``step`` takes.
 """
 
 from __future__ import annotations
