@@ -110,7 +110,7 @@ def code_version() -> str:
             digest.update(f"{name}={metadata.version(name)};".encode())
         except metadata.PackageNotFoundError:
             digest.update(f"{name}=-;".encode())
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]  # compute/model/ -> the repository
     for package in _CODE_PACKAGES:
         for path in sorted((root / package).rglob("*.py")):
             digest.update(str(path.relative_to(root)).encode())
