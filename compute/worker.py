@@ -7,7 +7,7 @@ import os
 import signal
 import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -17,6 +17,7 @@ from compute.batch.scheduler import SchedulerConfig
 from compute.loop.backoff import retry_with_backoff
 from contracts import options
 from contracts.heap import tune_gc_for_serving
+from contracts.options import flag
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -40,54 +41,44 @@ class ComputeConfig:
     )
     kvstore: str = options.kvstore()
     redis_url: str = options.redis_url()
-    claim_idle_ms: int = field(
-        default=0,
-        metadata={
-            "help": "a request whose worker has not renewed its claim this long is taken "
-            "over by another worker (live workers renew every quarter of it); 0: the kvstore's "
-            "--lease-timeout-s, when it declares the worker dead and lets others adopt its "
-            "requests' blocks"
-        },
+    claim_idle_ms: int = flag(
+        0,
+        "a request whose worker has not renewed its claim this long is taken "
+        "over by another worker (live workers renew every quarter of it); 0: the kvstore's "
+        "--lease-timeout-s, when it declares the worker dead and lets others adopt its "
+        "requests' blocks",
     )
-    worker_id: str = field(
-        default="",
-        metadata={"help": "name in the kvstore and the Redis consumer group (default: host-pid)"},
+    worker_id: str = flag(
+        "",
+        "name in the kvstore and the Redis consumer group (default: host-pid)",
     )
-    cuda_graph_max_batch: int = field(
-        default=256,
-        metadata={
-            "help": "on CUDA, capture decode steps of up to this many requests as CUDA graphs "
-            "at startup (capped by --max-num-seqs); 0 runs every step eagerly"
-        },
+    cuda_graph_max_batch: int = flag(
+        256,
+        "on CUDA, capture decode steps of up to this many requests as CUDA graphs "
+        "at startup (capped by --max-num-seqs); 0 runs every step eagerly",
     )
-    cuda_graph_max_tokens: int = field(
-        default=2048,
-        metadata={
-            "help": "on CUDA (Llama, Mistral, Qwen2, Qwen3 models), capture the forwards of "
-            "other steps (prompt chunks beside decodes) of up to this many tokens as CUDA "
-            "graphs of the whole decoder, one per token bucket (capped by "
-            "--max-num-batched-tokens); 0 runs "
-            "them eagerly"
-        },
+    cuda_graph_max_tokens: int = flag(
+        2048,
+        "on CUDA (Llama, Mistral, Qwen2, Qwen3 models), capture the forwards of "
+        "other steps (prompt chunks beside decodes) of up to this many tokens as CUDA "
+        "graphs of the whole decoder, one per token bucket (capped by "
+        "--max-num-batched-tokens); 0 runs "
+        "them eagerly",
     )
-    profile_budget_s: float = field(
-        default=10.0,
-        metadata={
-            "help": "seconds the worker may spend at start-up timing forwards for the kvstore's "
-            "cost model (swap vs recompute), cheapest first; the kvstore extrapolates past the "
-            "points left out. 0: time none (a cached profile is still used; without one the "
-            "kvstore prefers swapping and loading, which it measures itself)"
-        },
+    profile_budget_s: float = flag(
+        10.0,
+        "seconds the worker may spend at start-up timing forwards for the kvstore's "
+        "cost model (swap vs recompute), cheapest first; the kvstore extrapolates past the "
+        "points left out. 0: time none (a cached profile is still used; without one the "
+        "kvstore prefers swapping and loading, which it measures itself)",
     )
-    profile_cache: str = field(
-        default="",
-        metadata={
-            "help": "directory where measured profiles are kept and reused by a worker of the "
-            "same model files, device, dtype, code version and graph settings (a restart then "
-            "measures nothing, unless its budget is larger than the one that left points out); "
-            "'' is $PAGEDSERVE_PROFILE_CACHE, else "
-            "$XDG_CACHE_HOME/pagedserve/profiles (~/.cache/...); 'off': no cache"
-        },
+    profile_cache: str = flag(
+        "",
+        "directory where measured profiles are kept and reused by a worker of the "
+        "same model files, device, dtype, code version and graph settings (a restart then "
+        "measures nothing, unless its budget is larger than the one that left points out); "
+        "'' is $PAGEDSERVE_PROFILE_CACHE, else "
+        "$XDG_CACHE_HOME/pagedserve/profiles (~/.cache/...); 'off': no cache",
     )
     log_level: str = options.log_level()
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import field
+from typing import TypeVar
 
 from contracts.checkpoints import MODEL_HELP
 from contracts.endpoints import DEFAULT_ENDPOINT
@@ -19,39 +20,43 @@ from contracts.endpoints import DEFAULT_ENDPOINT
 DTYPES = ["auto", "float32", "float16", "bfloat16"]
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+T = TypeVar("T")
+
+
+def flag(default: T, help_text: str, **more: object) -> T:
+    """A config field: its default and its ``--help`` text (``more``: other metadata
+    ``pagedserve.config`` reads, e.g. ``choices``)."""
+    return field(default=default, metadata={"help": help_text, **more})
 
 
 def model(note: str, default: str = "tiny") -> str:
     """``--model``: ``MODEL_HELP`` followed by ``note`` (e.g. ``"; must match the workers'"``)."""
-    return field(default=default, metadata={"help": f"{MODEL_HELP}{note}"})
+    return flag(default, f"{MODEL_HELP}{note}")
 
 
 def dtype(help_text: str) -> str:
     """``--dtype``: one of ``DTYPES``, 'auto' by default."""
-    return field(default="auto", metadata={"help": help_text, "choices": DTYPES})
+    return flag("auto", help_text, choices=DTYPES)
 
 
 def device(help_text: str) -> str:
     """``--device``: 'cuda', 'cuda:N', 'cpu' or 'auto' (the default)."""
-    return field(default="auto", metadata={"help": help_text})
+    return flag("auto", help_text)
 
 
 def kvstore(help_text: str = "the kvstore's endpoint") -> str:
     """``--kvstore``: the endpoint a client of the kvstore connects to."""
-    return field(default=DEFAULT_ENDPOINT, metadata={"help": help_text})
+    return flag(DEFAULT_ENDPOINT, help_text)
 
 
 def redis_url() -> str:
     """``--redis-url``: the Redis of the request queue."""
-    return field(
-        default=DEFAULT_REDIS_URL,
-        metadata={"help": "Redis holding the request queue and output streams"},
-    )
+    return flag(DEFAULT_REDIS_URL, "Redis holding the request queue and output streams")
 
 
 def log_level() -> str:
     """``--log-level``: a ``logging`` level name, case-insensitive."""
-    return field(default="INFO", metadata={"help": "logging level"})
+    return flag("INFO", "logging level")
 
 
 def configure_logging(level: str) -> None:

@@ -8,9 +8,10 @@ or ``--api-key`` (as vLLM's ``--api-key``; the variable keeps it out of ``ps``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from contracts import options
+from contracts.options import flag
 from contracts.queue_keys import GATEWAY_TTL_S
 from kvstore.protocol import LEASE_TIMEOUT_S
 
@@ -24,110 +25,81 @@ class GatewayConfig:
         ": its tokenizer, chat template and context length (no weights are loaded); must match "
         "the workers'"
     )
-    served_model_name: str = field(
-        default="",
-        metadata={
-            "help": "the model name clients send and /v1/models lists; empty: --model as "
-            "given ('tiny', 'smollm2'), or the basename of its directory or .gguf file"
-        },
+    served_model_name: str = flag(
+        "",
+        "the model name clients send and /v1/models lists; empty: --model as "
+        "given ('tiny', 'smollm2'), or the basename of its directory or .gguf file",
     )
-    host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
-    port: int = field(default=8000, metadata={"help": "TCP port to listen on"})
-    reuse_port: bool = field(
-        default=False,
-        metadata={
-            "help": "share the port with other gateway processes (SO_REUSEPORT: the kernel "
-            "spreads connections among them); `pagedserve up --gateways N` sets it. With "
-            "PROMETHEUS_MULTIPROC_DIR set, /metrics sums the request metrics of all of them"
-        },
+    host: str = flag("127.0.0.1", "address to listen on")
+    port: int = flag(8000, "TCP port to listen on")
+    reuse_port: bool = flag(
+        False,
+        "share the port with other gateway processes (SO_REUSEPORT: the kernel "
+        "spreads connections among them); `pagedserve up --gateways N` sets it. With "
+        "PROMETHEUS_MULTIPROC_DIR set, /metrics sums the request metrics of all of them",
     )
     redis_url: str = options.redis_url()
     kvstore: str = options.kvstore("the kvstore's endpoint (health, /metrics and the admin API)")
-    max_body_bytes: int = field(
-        default=8 * 1024 * 1024,
-        metadata={"help": "largest request body accepted; larger ones get 413"},
+    max_body_bytes: int = flag(
+        8 * 1024 * 1024,
+        "largest request body accepted; larger ones get 413",
     )
-    max_model_len: int = field(
-        default=0,
-        metadata={
-            "help": "context length (prompt + max_tokens) to enforce; 0 takes the model "
-            "config's max_position_embeddings"
-        },
+    max_model_len: int = flag(
+        0,
+        "context length (prompt + max_tokens) to enforce; 0 takes the model "
+        "config's max_position_embeddings",
     )
-    max_n: int = field(
-        default=128,
-        metadata={"help": "largest n, best_of and beam_width a request may ask for"},
+    max_n: int = flag(128, "largest n, best_of and beam_width a request may ask for")
+    max_queued: int = flag(
+        4096,
+        "requests waiting or running in Redis beyond which new ones get 503 "
+        "(back-pressure; the stream is never trimmed)",
     )
-    max_queued: int = field(
-        default=4096,
-        metadata={
-            "help": "requests waiting or running in Redis beyond which new ones get 503 "
-            "(back-pressure; the stream is never trimmed)"
-        },
+    worker_idle_s: float = flag(
+        LEASE_TIMEOUT_S,
+        "/health counts a worker alive if the kvstore heard from it this recently "
+        "(the kvstore's --lease-timeout-s)",
     )
-    worker_idle_s: float = field(
-        default=LEASE_TIMEOUT_S,
-        metadata={
-            "help": "/health counts a worker alive if the kvstore heard from it this recently "
-            "(the kvstore's --lease-timeout-s)"
-        },
+    kvstore_timeout_s: float = flag(2.0, "how long to wait for a kvstore reply")
+    header_timeout_s: float = flag(
+        60.0,
+        "a connection whose request headers are not complete this long after it "
+        "opened, or after its last response ended, is closed: a client that sends its "
+        "headers slowly (slowloris) or an idle keep-alive connection",
     )
-    kvstore_timeout_s: float = field(
-        default=2.0, metadata={"help": "how long to wait for a kvstore reply"}
+    shutdown_timeout_s: float = flag(
+        30.0,
+        "on SIGINT/SIGTERM the gateway stops accepting requests (new ones get 503, "
+        "/health says draining) and gives those in flight this long to finish; then each "
+        "is cut: a stream gets an error event and [DONE], a non-streaming request a 503",
     )
-    header_timeout_s: float = field(
-        default=60.0,
-        metadata={
-            "help": "a connection whose request headers are not complete this long after it "
-            "opened, or after its last response ended, is closed: a client that sends its "
-            "headers slowly (slowloris) or an idle keep-alive connection"
-        },
+    request_timeout_s: float = flag(
+        600.0,
+        "server-side deadline of one request, from its arrival: past it, a stream "
+        "gets an error event (code request_timeout) and [DONE], a non-streaming request a "
+        "504, and its work is aborted; 0 disables it",
     )
-    shutdown_timeout_s: float = field(
-        default=30.0,
-        metadata={
-            "help": "on SIGINT/SIGTERM the gateway stops accepting requests (new ones get 503, "
-            "/health says draining) and gives those in flight this long to finish; then each "
-            "is cut: a stream gets an error event and [DONE], a non-streaming request a 503"
-        },
+    sse_keepalive_s: float = flag(
+        15.0,
+        "a stream with nothing to send for this long gets an SSE comment line "
+        "(': keep-alive'), so clients and proxies see it alive (a long queue, a long "
+        "prompt); 0 disables them",
     )
-    request_timeout_s: float = field(
-        default=600.0,
-        metadata={
-            "help": "server-side deadline of one request, from its arrival: past it, a stream "
-            "gets an error event (code request_timeout) and [DONE], a non-streaming request a "
-            "504, and its work is aborted; 0 disables it"
-        },
+    api_key: str = flag(
+        "",
+        f"require 'Authorization: Bearer <key>' on /v1/* (401 otherwise); "
+        f"${API_KEY_ENV} is used when this is empty, and keeps the key out of ps. "
+        "/health and /metrics stay open",
     )
-    sse_keepalive_s: float = field(
-        default=15.0,
-        metadata={
-            "help": "a stream with nothing to send for this long gets an SSE comment line "
-            "(': keep-alive'), so clients and proxies see it alive (a long queue, a long "
-            "prompt); 0 disables them"
-        },
+    liveness_ttl_s: float = flag(
+        GATEWAY_TTL_S,
+        "the gateway renews its liveness key in Redis every third of this; workers "
+        "abort the requests of a gateway whose key expired (it died: nobody would read them)",
     )
-    api_key: str = field(
-        default="",
-        metadata={
-            "help": f"require 'Authorization: Bearer <key>' on /v1/* (401 otherwise); "
-            f"${API_KEY_ENV} is used when this is empty, and keeps the key out of ps. "
-            "/health and /metrics stay open"
-        },
-    )
-    liveness_ttl_s: float = field(
-        default=GATEWAY_TTL_S,
-        metadata={
-            "help": "the gateway renews its liveness key in Redis every third of this; workers "
-            "abort the requests of a gateway whose key expired (it died: nobody would read them)"
-        },
-    )
-    redis_outage_s: float = field(
-        default=30.0,
-        metadata={
-            "help": "while Redis is unreachable, requests in flight wait this long for it to "
-            "come back (then go on where they were) before they end with an error"
-        },
+    redis_outage_s: float = flag(
+        30.0,
+        "while Redis is unreachable, requests in flight wait this long for it to "
+        "come back (then go on where they were) before they end with an error",
     )
     log_level: str = options.log_level()
 

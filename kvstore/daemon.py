@@ -17,7 +17,7 @@ import math
 import os
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -26,6 +26,7 @@ import zmq
 from contracts import options
 from contracts.endpoints import DEFAULT_ENDPOINT, TOKEN_ENV, env_token
 from contracts.heap import tune_gc_for_serving
+from contracts.options import flag
 from kvstore import protocol as p
 from kvstore.manager import KVCacheManager
 from kvstore.security import (
@@ -52,76 +53,57 @@ class KVStoreConfig:
         "where the pool lives: 'cuda', 'cuda:N', 'cpu' (a /dev/shm file of mode 0600, for workers "
         "of this user; files dead kvstores left there are removed at startup) or 'auto'"
     )
-    block_size: int = field(default=16, metadata={"help": "tokens per KV block (a power of two)"})
-    kv_memory: str = field(
-        default="auto",
-        metadata={
-            "help": "GPU pool size: GiB ('8', '8GiB') or a fraction of free memory ('0.5'); 'auto' "
-            "is 0.5 of free GPU memory on CUDA and 1 GiB on CPU"
-        },
+    block_size: int = flag(16, "tokens per KV block (a power of two)")
+    kv_memory: str = flag(
+        "auto",
+        "GPU pool size: GiB ('8', '8GiB') or a fraction of free memory ('0.5'); 'auto' "
+        "is 0.5 of free GPU memory on CUDA and 1 GiB on CPU",
     )
-    swap_memory: str = field(
-        default="4GiB",
-        metadata={
-            "help": "CPU swap tier size (pinned host memory on CUDA hosts); '0' disables swapping"
-        },
+    swap_memory: str = flag(
+        "4GiB",
+        "CPU swap tier size (pinned host memory on CUDA hosts); '0' disables swapping",
     )
-    endpoint: str = field(
-        default=DEFAULT_ENDPOINT,
-        metadata={
-            "help": "ZeroMQ endpoint to bind: ipc:///path or tcp://host:port. The default is "
-            "a socket in $XDG_RUNTIME_DIR/pagedserve (else <tmp>/pagedserve-<uid>), a directory "
-            "of mode 0700; an ipc socket is made 0600, a stale one (no daemon answers on it) is "
-            f"replaced. tcp:// needs ${TOKEN_ENV} set: with it, every call must carry that "
-            "shared secret (clients read the same variable)"
-        },
+    endpoint: str = flag(
+        DEFAULT_ENDPOINT,
+        "ZeroMQ endpoint to bind: ipc:///path or tcp://host:port. The default is "
+        "a socket in $XDG_RUNTIME_DIR/pagedserve (else <tmp>/pagedserve-<uid>), a directory "
+        "of mode 0700; an ipc socket is made 0600, a stale one (no daemon answers on it) is "
+        f"replaced. tcp:// needs ${TOKEN_ENV} set: with it, every call must carry that "
+        "shared secret (clients read the same variable)",
     )
-    admission_watermark: float = field(
-        default=0.01,
-        metadata={
-            "help": "fraction of GPU blocks that admissions leave free for running requests "
-            "to grow into"
-        },
+    admission_watermark: float = flag(
+        0.01,
+        "fraction of GPU blocks that admissions leave free for running requests to grow into",
     )
-    lease_timeout_s: float = field(
-        default=p.LEASE_TIMEOUT_S,
-        metadata={
-            "help": "a worker silent this long is dead; its requests become orphans, which "
-            "other workers take over (their --claim-idle-ms follows this by default)"
-        },
+    lease_timeout_s: float = flag(
+        p.LEASE_TIMEOUT_S,
+        "a worker silent this long is dead; its requests become orphans, which "
+        "other workers take over (their --claim-idle-ms follows this by default)",
     )
-    orphan_grace_s: float = field(
-        default=60.0,
-        metadata={
-            "help": "orphaned requests keep their blocks this long for another worker to adopt"
-        },
+    orphan_grace_s: float = flag(
+        60.0,
+        "orphaned requests keep their blocks this long for another worker to adopt",
     )
-    busy_poll: bool = field(
-        default=False,
-        metadata={
-            "help": "spin on the socket instead of sleeping between messages: lower "
-            "latency per call (no wake-up), one CPU core kept busy"
-        },
+    busy_poll: bool = flag(
+        False,
+        "spin on the socket instead of sleeping between messages: lower "
+        "latency per call (no wake-up), one CPU core kept busy",
     )
-    cpu_prefix_cache: bool = field(
-        default=True,
-        metadata={
-            "help": "keep cached prefix blocks evicted from the GPU in the CPU tier (the "
-            "--swap-memory pool, shared with swapped requests, which always win space); a later "
-            "hit loads them back or recomputes them, whichever the cost model prices lower"
-        },
+    cpu_prefix_cache: bool = flag(
+        True,
+        "keep cached prefix blocks evicted from the GPU in the CPU tier (the "
+        "--swap-memory pool, shared with swapped requests, which always win space); a later "
+        "hit loads them back or recomputes them, whichever the cost model prices lower",
     )
-    write_back_ahead: int = field(
-        default=256,
-        metadata={
-            "help": "with --cpu-prefix-cache, copy this many of the GPU's next eviction victims "
-            "to the CPU tier between calls, ahead of their eviction (0: copy only at eviction, "
-            "inside the call that evicts)"
-        },
+    write_back_ahead: int = flag(
+        256,
+        "with --cpu-prefix-cache, copy this many of the GPU's next eviction victims "
+        "to the CPU tier between calls, ahead of their eviction (0: copy only at eviction, "
+        "inside the call that evicts)",
     )
-    calibrate: bool = field(
-        default=True,
-        metadata={"help": "measure swap bandwidth at startup (the swap side of the cost model)"},
+    calibrate: bool = flag(
+        True,
+        "measure swap bandwidth at startup (the swap side of the cost model)",
     )
     log_level: str = options.log_level()
 

@@ -4,96 +4,70 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from contracts.options import flag
 from pagedserve.bench_workloads import WORKLOADS
 
 
 @dataclass(frozen=True)
 class BenchConfig:
-    base_url: str = field(
-        default="http://127.0.0.1:8000", metadata={"help": "the server, without /v1"}
+    base_url: str = flag("http://127.0.0.1:8000", "the server, without /v1")
+    model: str = flag("", "the model to ask for (default: the first one GET /v1/models lists)")
+    endpoint: str = flag("completions", "which API to call", choices=["completions", "chat"])
+    workload: str = flag(
+        "random",
+        "the requests (see pagedserve/bench_workloads.py)",
+        choices=WORKLOADS,
     )
-    model: str = field(
-        default="",
-        metadata={"help": "the model to ask for (default: the first one GET /v1/models lists)"},
+    num_requests: int = flag(
+        128,
+        "requests to send (multi-turn: turns in all, unless --conversations)",
     )
-    endpoint: str = field(
-        default="completions",
-        metadata={"help": "which API to call", "choices": ["completions", "chat"]},
+    input_len: str = flag("64:1024", "prompt length lo:hi, tokens (words without --tokenizer)")
+    output_len: str = flag("32:512", "max_tokens lo:hi")
+    prefix_len: int = flag(512, "shared-prefix: the prefix length")
+    num_prefixes: int = flag(4, "shared-prefix: distinct prefixes")
+    turns: int = flag(4, "multi-turn: turns per conversation")
+    conversations: int = flag(0, "multi-turn: conversations (0: --num-requests // --turns)")
+    first_prompt_len: str = flag(
+        "",
+        "multi-turn: the first turn's prompt lo:hi (each conversation's own random "
+        "system and user message; default --input-len)",
     )
-    workload: str = field(
-        default="random",
-        metadata={"help": "the requests (see pagedserve/bench_workloads.py)", "choices": WORKLOADS},
+    turn_prompt_len: str = flag(
+        "",
+        "multi-turn: the new user message of each later turn, lo:hi (default "
+        "--input-len); the prompt is the previous one, its answer and this",
     )
-    num_requests: int = field(
-        default=128,
-        metadata={"help": "requests to send (multi-turn: turns in all, unless --conversations)"},
+    think_time_s: float = flag(
+        0.0,
+        "multi-turn: pause between an answer and the next turn's request",
     )
-    input_len: str = field(
-        default="64:1024",
-        metadata={"help": "prompt length lo:hi, tokens (words without --tokenizer)"},
+    request_rate: float = flag(
+        math.inf,
+        "requests (multi-turn: conversations) per second, Poisson arrivals; "
+        "inf sends them all at once",
     )
-    output_len: str = field(default="32:512", metadata={"help": "max_tokens lo:hi"})
-    prefix_len: int = field(default=512, metadata={"help": "shared-prefix: the prefix length"})
-    num_prefixes: int = field(default=4, metadata={"help": "shared-prefix: distinct prefixes"})
-    turns: int = field(default=4, metadata={"help": "multi-turn: turns per conversation"})
-    conversations: int = field(
-        default=0,
-        metadata={"help": "multi-turn: conversations (0: --num-requests // --turns)"},
+    max_concurrency: int = flag(
+        0,
+        "requests in flight at most (0: no limit); multi-turn: all conversations "
+        "start, one turn each in flight at most, waiting turns sent first come first served",
     )
-    first_prompt_len: str = field(
-        default="",
-        metadata={
-            "help": "multi-turn: the first turn's prompt lo:hi (each conversation's own random "
-            "system and user message; default --input-len)"
-        },
+    ignore_eos: bool = flag(True, "send ignore_eos (outputs of exactly max_tokens)")
+    tokenizer: str = flag(
+        "",
+        "local tokenizer directory (or 'tiny') for prompts of exact token lengths",
     )
-    turn_prompt_len: str = field(
-        default="",
-        metadata={
-            "help": "multi-turn: the new user message of each later turn, lo:hi (default "
-            "--input-len); the prompt is the previous one, its answer and this"
-        },
+    seed: int = flag(0, "seed of the requests and the arrivals")
+    guided_fraction: float = flag(
+        0.0,
+        "this fraction of the requests (seeded) asks for JSON of a random JSON "
+        "Schema (response_format json_schema); the report counts those that parse",
     )
-    think_time_s: float = field(
-        default=0.0,
-        metadata={"help": "multi-turn: pause between an answer and the next turn's request"},
-    )
-    request_rate: float = field(
-        default=math.inf,
-        metadata={
-            "help": "requests (multi-turn: conversations) per second, Poisson arrivals; "
-            "inf sends them all at once"
-        },
-    )
-    max_concurrency: int = field(
-        default=0,
-        metadata={
-            "help": "requests in flight at most (0: no limit); multi-turn: all conversations "
-            "start, one turn each in flight at most, waiting turns sent first come first served"
-        },
-    )
-    ignore_eos: bool = field(
-        default=True, metadata={"help": "send ignore_eos (outputs of exactly max_tokens)"}
-    )
-    tokenizer: str = field(
-        default="",
-        metadata={
-            "help": "local tokenizer directory (or 'tiny') for prompts of exact token lengths"
-        },
-    )
-    seed: int = field(default=0, metadata={"help": "seed of the requests and the arrivals"})
-    guided_fraction: float = field(
-        default=0.0,
-        metadata={
-            "help": "this fraction of the requests (seeded) asks for JSON of a random JSON "
-            "Schema (response_format json_schema); the report counts those that parse"
-        },
-    )
-    slo_ttft_ms: float = field(default=0.0, metadata={"help": "goodput: TTFT limit (0: none)"})
-    slo_tpot_ms: float = field(default=0.0, metadata={"help": "goodput: TPOT limit (0: none)"})
-    timeout_s: float = field(default=600.0, metadata={"help": "one request's limit"})
-    api_key: str = field(default="", metadata={"help": "bearer token (default: $OPENAI_API_KEY)"})
-    result_json: str = field(default="", metadata={"help": "write every figure to this file"})
-    progress: bool = field(default=True, metadata={"help": "a progress line on stderr"})
+    slo_ttft_ms: float = flag(0.0, "goodput: TTFT limit (0: none)")
+    slo_tpot_ms: float = flag(0.0, "goodput: TPOT limit (0: none)")
+    timeout_s: float = flag(600.0, "one request's limit")
+    api_key: str = flag("", "bearer token (default: $OPENAI_API_KEY)")
+    result_json: str = flag("", "write every figure to this file")
+    progress: bool = flag(True, "a progress line on stderr")

@@ -19,13 +19,14 @@ import signal
 import socket
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from contracts import options
 from contracts.checkpoints import SMOLLM2
 from contracts.endpoints import STACK_ENDPOINT, for_port
+from contracts.options import flag
 from gateway.config import ADMIN_TOKEN_ENV, GatewayConfig
 from gateway.metrics import MULTIPROC_ENV
 from pagedserve.procs import spawn_process
@@ -51,86 +52,65 @@ class UpConfig:
     device: str = options.device(
         "'cuda', 'cpu' or 'auto': cuda when there is a GPU (kvstore and workers)"
     )
-    workers: int = field(
-        default=1,
-        metadata={
-            "help": "compute workers to start; worker i runs as --worker-id {hostname}-{port}-w{i} "
-            "(port: the gateway's), so a restarted worker comes back under its id and takes "
-            "its pending requests back"
-        },
+    workers: int = flag(
+        1,
+        "compute workers to start; worker i runs as --worker-id {hostname}-{port}-w{i} "
+        "(port: the gateway's), so a restarted worker comes back under its id and takes "
+        "its pending requests back",
     )
-    gateways: int = field(
-        default=1,
-        metadata={
-            "help": "gateway processes, all on --port (SO_REUSEPORT: the kernel spreads "
-            "connections among them); more than one when one core cannot parse, tokenize and "
-            "stream all the requests; /metrics sums their request metrics"
-        },
+    gateways: int = flag(
+        1,
+        "gateway processes, all on --port (SO_REUSEPORT: the kernel spreads "
+        "connections among them); more than one when one core cannot parse, tokenize and "
+        "stream all the requests; /metrics sums their request metrics",
     )
-    host: str = field(default="127.0.0.1", metadata={"help": "the gateway's listen address"})
-    port: int = field(default=8000, metadata={"help": "the gateway's TCP port"})
-    endpoint: str = field(
-        default=STACK_ENDPOINT,
-        metadata={
-            "help": "the kvstore's endpoint; {port} stands for --port, so that each stack on "
-            "this host has its own by default"
-        },
+    host: str = flag("127.0.0.1", "the gateway's listen address")
+    port: int = flag(8000, "the gateway's TCP port")
+    endpoint: str = flag(
+        STACK_ENDPOINT,
+        "the kvstore's endpoint; {port} stands for --port, so that each stack on "
+        "this host has its own by default",
     )
-    kvstore_args: str = field(
-        default="",
-        metadata={
-            "help": 'extra flags for `pagedserve kvstore`, e.g. "--kv-memory 2 --swap-memory 8"'
-        },
+    kvstore_args: str = flag(
+        "",
+        'extra flags for `pagedserve kvstore`, e.g. "--kv-memory 2 --swap-memory 8"',
     )
-    compute_args: str = field(
-        default="",
-        metadata={"help": 'extra flags for each `pagedserve compute`, e.g. "--max-num-seqs 64"'},
+    compute_args: str = flag(
+        "",
+        'extra flags for each `pagedserve compute`, e.g. "--max-num-seqs 64"',
     )
-    gateway_args: str = field(
-        default="",
-        metadata={"help": 'extra flags for `pagedserve gateway`, e.g. "--max-n 16"'},
+    gateway_args: str = flag("", 'extra flags for `pagedserve gateway`, e.g. "--max-n 16"')
+    startup_timeout_s: float = flag(
+        900.0,
+        "how long to wait for every process to become healthy (a worker loads its "
+        "model and measures its prefill times first: minutes on a CPU)",
     )
-    startup_timeout_s: float = field(
-        default=900.0,
-        metadata={
-            "help": "how long to wait for every process to become healthy (a worker loads its "
-            "model and measures its prefill times first: minutes on a CPU)"
-        },
+    restart_backoff_s: float = flag(
+        1.0,
+        "once the stack is up, a child that exits (a worker, the kvstore, the "
+        "gateway, the embedded redis-server) is restarted after this long, doubled for each "
+        "further failure in a row, at most 30 s",
     )
-    restart_backoff_s: float = field(
-        default=1.0,
-        metadata={
-            "help": "once the stack is up, a child that exits (a worker, the kvstore, the "
-            "gateway, the embedded redis-server) is restarted after this long, doubled for each "
-            "further failure in a row, at most 30 s"
-        },
+    healthy_after_s: float = flag(
+        60.0,
+        "a child up this long is healthy again: failure count and backoff reset",
     )
-    healthy_after_s: float = field(
-        default=60.0,
-        metadata={"help": "a child up this long is healthy again: failure count and backoff reset"},
+    max_restarts: int = flag(
+        5,
+        "restart a child at most this many times in a row (each failure within "
+        "--healthy-after-s of its start counts); if it fails again, stop everything and "
+        "exit with status 1 (0: never restart)",
     )
-    max_restarts: int = field(
-        default=5,
-        metadata={
-            "help": "restart a child at most this many times in a row (each failure within "
-            "--healthy-after-s of its start counts); if it fails again, stop everything and "
-            "exit with status 1 (0: never restart)"
-        },
+    redis_dir: str = flag(
+        ".pagedserve/redis-{port}",
+        "the embedded Redis's directory (relative to the current one; {port} "
+        "stands for --port): its append-only file (fsync every second), port and log; "
+        "created mode 0700, never deleted, one `up` at a time (ignored with REDIS_URL)",
     )
-    redis_dir: str = field(
-        default=".pagedserve/redis-{port}",
-        metadata={
-            "help": "the embedded Redis's directory (relative to the current one; {port} "
-            "stands for --port): its append-only file (fsync every second), port and log; "
-            "created mode 0700, never deleted, one `up` at a time (ignored with REDIS_URL)"
-        },
-    )
-    redis_port: int = field(
-        default=0,
-        metadata={
-            "help": "the embedded Redis's port on 127.0.0.1; 0: the port of the last run "
-            "(recorded in --redis-dir) if it is free, else a free one"
-        },
+    redis_port: int = flag(
+        0,
+        "the embedded Redis's port on 127.0.0.1; 0: the port of the last run "
+        "(recorded in --redis-dir) if it is free, else a free one",
     )
 
     def kvstore_endpoint(self) -> str:

@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import NamedTuple
 
+from contracts.options import flag
+
 
 class SeqStatus(Enum):
     WAITING = "waiting"  # never placed at the kvstore
@@ -111,19 +113,15 @@ class Chunk(NamedTuple):  # made per token per step: 4x cheaper than a frozen da
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = field(default=256, metadata={"help": "running sequences per step at most"})
-    max_num_batched_tokens: int = field(
-        default=8192, metadata={"help": "tokens per forward pass (decodes + prefill chunks)"}
-    )
-    prefill_interval: int = field(
-        default=1,
-        metadata={
-            "help": "while sequences decode, prompt chunks join a step only if the N-1 steps "
-            "before it had none: most decode steps then carry no prompt (a lower median "
-            "inter-token latency, for a later first token; 1: prompts join every step). For "
-            "models the GPU bounds; pair it with --max-num-batched-tokens equal to "
-            "--cuda-graph-max-tokens, so the gathered prompts still replay CUDA graphs"
-        },
+    max_num_seqs: int = flag(256, "running sequences per step at most")
+    max_num_batched_tokens: int = flag(8192, "tokens per forward pass (decodes + prefill chunks)")
+    prefill_interval: int = flag(
+        1,
+        "while sequences decode, prompt chunks join a step only if the N-1 steps "
+        "before it had none: most decode steps then carry no prompt (a lower median "
+        "inter-token latency, for a later first token; 1: prompts join every step). For "
+        "models the GPU bounds; pair it with --max-num-batched-tokens equal to "
+        "--cuda-graph-max-tokens, so the gathered prompts still replay CUDA graphs",
     )
 
     def __post_init__(self) -> None:

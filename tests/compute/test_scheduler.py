@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -24,14 +24,9 @@ class Batch:
         self.scheduler = scheduler
         self.seqs: dict[str, Sequence] = {}
 
-    def add(
-        self,
-        seq_id: str,
-        prompt: list[int],
-        done: Iterable[int] = (),
-        max_tokens: int | None = None,
-    ) -> Sequence:
-        self.seqs[seq_id] = self.scheduler.new_sequence(seq_id, prompt, done, max_tokens)
+    def add(self, seq_id: str, prompt: list[int], *more: Any, **limit: Any) -> Sequence:
+        """``more`` and ``limit``: ``new_sequence``'s tokens done and max_tokens."""
+        self.seqs[seq_id] = self.scheduler.new_sequence(seq_id, prompt, *more, **limit)
         return self.seqs[seq_id]
 
     def fork(self, parent: str, child: str, token: int) -> Sequence:
