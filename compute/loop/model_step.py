@@ -1,11 +1,10 @@
 """The engine's model work, overlapped with its host work: ``ModelStep``.
 
-``launch`` plans a step (``Scheduler.schedule``), packs it, and enqueues its forward pass and its
-token draw on the device, with the drawn ids copied to pinned host memory; it returns without
-waiting (``compute.loop.launched``). ``collect`` processes the step launched before: it waits for
-its ids and does its host work (the tokens join their sequences, stop conditions and detokenization
-run, branches fork, finished sequences end) and returns the records to publish with the forks,
-ends and complete copies the kvstore must hear (``Processed``).
+``launch`` plans a step (``Scheduler.schedule``), packs it, enqueues its forward and its token
+draw, the ids copied to pinned host memory, without waiting (``compute.loop.launched``).
+``collect`` processes the step launched before: it waits for its ids, does its host work (tokens
+join their sequences, stops and detokenization, forks, ends) and returns the records with what
+the kvstore must hear (``Processed``). On the CPU the forward runs inside ``launch``.
 
 The engine launches step N+1 before it processes step N, so the host's work on step N (and the
 kvstore and Redis traffic after it) runs while the device computes step N+1. A sequence whose
@@ -13,9 +12,8 @@ token of step N is still on the device runs its decode in step N+1 with that tok
 the device from step N's draw (the scheduler's ``fed`` chunks). The lag has consequences, each
 handled here:
 
-* a sequence that stops at step N (EOS, a stop string) may have computed one more token in step
-  N+1: that token is dropped when step N+1 is processed (the sequence is gone by then);
-  ``max_tokens`` is known ahead, so the scheduler never feeds a sequence past it;
+* a sequence that stops at step N (EOS, a stop string) may compute one more token in step N+1,
+  dropped when N+1 is processed; ``max_tokens`` is known ahead: never fed past;
 * a sequence's blocks may be written by a launched step until it is processed: a sequence that
   ends is freed at the kvstore only after the step in flight when it ended is processed
   (``free_later``), and a preemption waits for the device first, after the copy-on-write
@@ -24,8 +22,6 @@ handled here:
   token that fans out to ``n``) is processed at once, before the next launch and any kvstore
   call (``Launched.sync``); a sequence that fans out is not ``feedable``: its forks must reach
   the kvstore before it writes its shared last block.
-
-On the CPU the forward pass runs synchronously inside ``launch``; the bookkeeping is the same.
 """
 
 from __future__ import annotations
