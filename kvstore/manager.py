@@ -1,6 +1,6 @@
 """KVCacheManager: request -> block tables over a ``BlockStore`` (the GPU ``BlockPool``, the
-``CpuTier`` and the ``PrefixIndex``). Pure Python, no torch; the daemon's single-threaded loop is
-its only caller.
+``CpuTier`` and the ``PrefixIndex``), its priced choices in ``CostChoices``; the block work of
+one request in ``request_blocks`` and ``adoption``. Pure Python; the daemon's loop calls it.
 
 Contracts:
 - A request's tokens are ``token_ids``; the KV of ``token_ids[:num_computed]`` is written. The
@@ -18,16 +18,26 @@ Contracts:
 
 from __future__ import annotations
 
+from kvstore.adoption import (
+    check_room,
+    drop_computed,
+    expired_orphans,
+    make_room_for_streamed,
+    orphan,
+    replace_untrusted,
+    shared_prefix,
+)
 from kvstore.block_pool import BlockPool, CpuTier
 from kvstore.block_store import BlockStore
-from kvstore.cost_model import Choice, DecisionLog, Mode
+from kvstore.choices import CostChoices
+from kvstore.cost_model import DecisionLog, Mode
 from kvstore.integrity import check_integrity
 from kvstore.prefix_index import LookupResult, PrefixIndex
 from kvstore.pricing import Pricing
-from kvstore.protocol import LOOKAHEAD_SLOTS
 from kvstore.request_blocks import (
+    append_decodes,
     extend_hashes,
-    must_copy,
+    grow,
     register_computed,
     reopen_last_token,
     truncate,
@@ -60,10 +70,16 @@ class KVCacheManager:
         self.block_size = block_size
         self.watermark_blocks = int(num_gpu_blocks * watermark)
         self.store = BlockStore(num_gpu_blocks, num_cpu_blocks, block_size, cpu_prefix_cache)
-        self.decisions = DecisionLog()
         self.requests: dict[str, Request] = {}
-        self.pricing = Pricing()
-        self._load_busy: dict[int, bool] = {}  # queued prefix loads: decision id -> busy
+        self.choices = CostChoices()
+
+    @property
+    def pricing(self) -> Pricing:  # the choices' (the daemon sets its calibration)
+        return self.choices.pricing
+
+    @property
+    def decisions(self) -> DecisionLog:  # the choices' log (the stats read it)
+        return self.choices.log
 
     @property
     def pool(self) -> BlockPool:
@@ -91,10 +107,9 @@ class KVCacheManager:
         reuse_prefix: bool = True,
         now: float = 0.0,
     ) -> Placement:
-        """New request: reuse its longest cached prefix (unless ``reuse_prefix`` is False, for
-        this placement and any after a preemption), allocate blocks for every other token. A
-        prefix that goes on in the CPU tier is loaded back (queued in ``take_pending``) or left
-        for the worker to recompute, as the cost model says."""
+        """New request: reuse its longest cached prefix (not with ``reuse_prefix`` False, now
+        or after a preemption), blocks for the other tokens; a prefix going on in the CPU tier
+        is loaded back (``take_pending``) or recomputed, as the cost model says."""
         if req_id in self.requests:
             raise KVError("duplicate_request", f"request {req_id!r} already exists")
         if not token_ids:
@@ -109,51 +124,23 @@ class KVCacheManager:
         self, req_id: str, worker: str, token_ids: list[int], reuse_prefix: bool = True
     ) -> tuple[Placement, TransferPlan]:
         """A worker takes over an orphaned request (its worker died). The stored tokens are cut
-        to their longest common prefix with ``token_ids`` (what the new worker read back from the
-        output stream), then extended with the rest: a dead worker may have streamed tokens it
-        never reported, and the new worker computes them from ``num_computed``, in blocks the
-        table has for them. A preempted request is resumed. With
-        ``reuse_prefix`` False the worker needs every token's logits: what the request computed
-        is dropped, and it is placed again without a prefix lookup."""
+        to their longest common prefix with ``token_ids`` (what the new worker read back), then
+        extended with the rest (streamed, never reported: the new worker computes them from
+        ``num_computed``). A preempted request is resumed. ``reuse_prefix`` False: what the
+        request computed is dropped, and it is placed again without a prefix lookup."""
         request = self._get(req_id)
         if request.orphaned_at is None and request.worker != worker:
             raise KVError("conflict", f"request {req_id!r} is held by live worker {request.worker}")
-        common = 0
-        for mine, theirs in zip(request.token_ids, token_ids, strict=False):
-            if mine != theirs:
-                break
-            common += 1
-        if common == 0:
-            raise KVError(
-                "bad_argument", f"tokens of {req_id!r} share no prefix with the kvstore's"
-            )
         bs = self.block_size
-        streamed = token_ids[common:]  # what the dead worker streamed but never reported
-        last_block = request.block_ids[(common - 1) // bs] if request.block_ids else 0
-        reopens_in_a_fresh_block = (
-            request.status is Status.RUNNING
-            and not streamed
-            and min(request.num_computed, common) == common
-            and must_copy(self.store, last_block)
-        )
-        if request.status is Status.RUNNING and reuse_prefix:  # check before changing
-            kept = min(len(request.block_ids), table_blocks(common, bs))
-            # streamed tokens: their blocks, and maybe a fresh one where writing resumes
-            grows = table_blocks(len(token_ids), bs) - kept + 1 if streamed else 0
-            untrusted = max(0, kept - trusted_blocks(self.store, request))
-            needed = int(reopens_in_a_fresh_block) + grows + untrusted
-            if needed > self.pool.num_available:
-                raise KVError("no_space", f"no {needed} blocks to take {req_id!r} over")
+        common = shared_prefix(request, token_ids)
+        check_room(self.store, request, token_ids, common, reuse_prefix, bs)
         request.worker, request.orphaned_at = worker, None
         if not reuse_prefix:
-            self.pool.release(request.block_ids)
-            self.cpu.release(request.cpu_block_ids)
-            request.block_ids, request.cpu_block_ids = [], []
-            request.num_computed = request.num_registered = 0
-            request.status, request.reuse_prefix = Status.DROPPED, False
+            drop_computed(self.store, request)
         truncate(self.store, request, common, bs)
         if request.status is Status.RUNNING:
-            self._replace_untrusted(request)
+            replace_untrusted(self.store, request, bs)
+        streamed = token_ids[common:]  # what the dead worker streamed but never reported
         request.token_ids.extend(streamed)  # known now, computed by the new worker
         extend_hashes(request, bs)
         if request.status is not Status.RUNNING:
@@ -163,46 +150,16 @@ class KVCacheManager:
                 truncate(self.store, request, common, bs)
                 raise
         if streamed:
-            self._make_room_for_streamed(request)
+            make_room_for_streamed(self.store, request, bs)
         reopen_last_token(self.store, request, bs)
         placement = Placement(
             req_id, list(request.block_ids), request.num_computed, request.num_cached_tokens
         )
         return placement, TransferPlan()
 
-    def _replace_untrusted(self, request: Request) -> None:
-        """A request taken over from a dead worker: its blocks from the first whose
-        copy-on-write copy was never confirmed (the worker may have died before making it) are
-        replaced by fresh ones, computed again by the new worker. The caller checked that the
-        pool has the blocks."""
-        first, table = trusted_blocks(self.store, request), request.block_ids
-        if first == len(table):
-            return
-        fresh = self.store.allocate(len(table) - first)
-        self.pool.release(table[first:])
-        table[first:] = fresh
-        request.num_computed = min(request.num_computed, first * self.block_size)
-        request.num_registered = min(request.num_registered, first)
-
     def copied(self, blocks: list[int]) -> None:
-        """A worker performed the copy-on-write copies into ``blocks`` (``Step.copied``): their
-        content is trusted from now on."""
+        """A worker made the copy-on-write copies into ``blocks`` (``Step.copied``): trusted."""
         self.pool.copied(blocks)
-
-    def _make_room_for_streamed(self, request: Request) -> None:
-        """An adopted running request whose tokens outgrew its table (its dead worker streamed
-        tokens it never reported): blocks for them, and a private block where the new worker
-        starts writing (a shared or registered one is replaced, its tokens computed again).
-        The caller checked that the pool has the blocks."""
-        bs, table = self.block_size, request.block_ids
-        table.extend(self.store.allocate(table_blocks(len(request.token_ids), bs) - len(table)))
-        first = request.num_computed // bs  # the first block the new worker writes
-        if first < len(table) and must_copy(self.store, table[first]):
-            [fresh] = self.store.allocate(1)
-            self.pool.release([table[first]])
-            table[first] = fresh
-            request.num_computed = first * bs
-            request.num_registered = min(request.num_registered, first)
 
     @property
     def admission_limit_blocks(self) -> int:
@@ -230,8 +187,9 @@ class KVCacheManager:
         missing = [i for i in range(used, len(hit.gpu)) if hit.gpu[i] is None]
         choice, running = None, 0
         if record and missing:
-            running = self._running(request.worker)
-            choice = self._prefix_choice(request, hit, missing, running)
+            worker, on = request.worker, Status.RUNNING  # a load shares the GPU with their steps
+            running = sum(r.worker == worker and r.status is on for r in self.requests.values())
+            choice = self.choices.prefix(request, hit, missing, running, bs)
         load = choice is not None and choice.mode == "load"
         if load:
             used = len(hit.gpu)
@@ -246,7 +204,11 @@ class KVCacheManager:
                 f"{self.watermark_blocks}-block watermark",
             )
         if choice is not None:
-            self._record_prefix_decision(request, hit, missing, choice, now, running > 0)
+            request.decision_id = self.choices.log_prefix(
+                request, hit, missing, choice, now, running > 0, bs
+            )
+            if choice.mode != "load":
+                self.store.counts["recomputed"] += len(missing)
         for block in gpu_hits:
             self.pool.ref(block)
         table: list[int | None] = list(hit.gpu[:used])
@@ -269,45 +231,6 @@ class KVCacheManager:
             request.req_id, list(request.block_ids), request.num_computed, request.num_cached_tokens
         )
 
-    def _prefix_choice(
-        self, request: Request, hit: LookupResult, missing: list[int], running: int
-    ) -> Choice:
-        bs = self.block_size
-        return self.pricing.prefix_load(
-            request.worker,
-            len(missing),
-            (len(hit.gpu) - hit.gpu_run) * bs,
-            hit.gpu_run * bs,
-            max(len(request.token_ids) - len(hit.gpu) * bs, 0),
-            running,
-        )
-
-    def _running(self, worker: str) -> int:
-        """How many requests ``worker`` runs (a load then shares the GPU with their steps)."""
-        return sum(
-            r.worker == worker and r.status is Status.RUNNING for r in self.requests.values()
-        )
-
-    def _record_prefix_decision(
-        self,
-        request: Request,
-        hit: LookupResult,
-        missing: list[int],
-        choice: Choice,
-        now: float,
-        busy: bool,
-    ) -> None:
-        """Logs ``choice``; a load remembers ``busy`` (the worker ran others) for its timing."""
-        tokens = (len(hit.gpu) - hit.gpu_run) * self.block_size
-        decision = self.decisions.record(
-            request.req_id, now, len(missing), tokens, choice, kind="prefix"
-        )
-        request.decision_id = decision.id
-        if choice.mode == "load":
-            self._load_busy[decision.id] = busy
-        else:
-            self.store.counts["recomputed"] += len(missing)
-
     # ------------------------------------------------------------------ growth
     def append(
         self, req_id: str, worker: str, new_token_ids: list[int], num_computed: int
@@ -318,42 +241,7 @@ class KVCacheManager:
         blocks for the new tokens and private copies of shared blocks about to be written;
         registers newly computed full blocks in the prefix index. All or nothing."""
         request = self._owned(req_id, worker, Status.RUNNING)
-        tokens, table, bs = request.token_ids, request.block_ids, self.block_size
-        if not request.num_computed <= num_computed <= len(tokens) + len(new_token_ids):
-            raise KVError(
-                "bad_argument",
-                f"num_computed {num_computed} outside [{request.num_computed}, "
-                f"{len(tokens) + len(new_token_ids)}] for {req_id!r}",
-            )
-        blocks_needed = table_blocks(len(tokens) + len(new_token_ids), bs)
-        last = min(blocks_needed, len(table))
-        to_copy = [i for i in range(num_computed // bs, last) if must_copy(self.store, table[i])]
-        grow = blocks_needed - len(table)
-        copies: list[tuple[int, int, int]] = []
-        new_blocks: list[int] = []
-        if grow > 0 or to_copy:  # the common decode step allocates nothing
-            needed = max(grow, 0) + len(to_copy)
-            if needed > self.pool.num_available:
-                raise KVError(
-                    "no_space",
-                    f"{req_id!r} needs {needed} blocks, {self.pool.num_available} available",
-                )
-            fresh = self.store.allocate(needed)
-            for position, dst in zip(to_copy, fresh, strict=False):
-                src = table[position]
-                self.pool.release([src])
-                self.pool.mark_copying(dst)  # trusted once the worker confirms the copy
-                table[position] = dst
-                copies.append((position, src, dst))
-            new_blocks = fresh[len(to_copy) :]
-            table.extend(new_blocks)
-        tokens.extend(new_token_ids)
-        request.num_computed = num_computed
-        if len(tokens) // bs > len(request.contents):
-            extend_hashes(request, self.block_size)
-        if num_computed // bs > request.num_registered:
-            register_computed(self.store, request, self.block_size)
-        return Growth(req_id, new_blocks, copies)
+        return grow(self.store, request, new_token_ids, num_computed, self.block_size)
 
     def append_tokens(
         self, worker: str, req_ids: list[str], token_ids: list[int], num_computed: list[int]
@@ -363,33 +251,9 @@ class KVCacheManager:
         does not fill, its table needs no new block, every earlier token computed) and returns
         the indices of the others, left untouched, for the general ``append`` (a new block, a
         full block to hash, a copy-on-write, a block to register, an error)."""
-        requests, bs, running = self.requests, self.block_size, Status.RUNNING
-        refs, cached = self.pool.ref_counts, self.pool.cached
-        general: list[int] = []
-        for i, (req_id, token, computed) in enumerate(
-            zip(req_ids, token_ids, num_computed, strict=True)
-        ):
-            r = requests.get(req_id)
-            if r is None or r.worker != worker or r.status is not running:
-                general.append(i)
-                continue
-            tokens, table = r.token_ids, r.block_ids
-            n = len(tokens)
-            block, last = table[n // bs], table[-1]
-            if (
-                computed != n
-                or (n + 1) % bs == 0  # fills its block: to hash
-                or len(table) * bs < n + 1 + LOOKAHEAD_SLOTS  # the table must grow
-                or n // bs != r.num_registered
-                or refs[block] > 1
-                or cached[block]
-                or refs[last] > 1
-            ):
-                general.append(i)
-                continue
-            tokens.append(token)
-            r.num_computed = n
-        return general
+        return append_decodes(
+            self.requests, self.pool, self.block_size, worker, req_ids, token_ids, num_computed
+        )
 
     def fork(self, parent_id: str, worker: str, child_id: str) -> Placement:
         """The child shares every block of the parent (ref + 1 each): tokens, computed count and
@@ -416,8 +280,8 @@ class KVCacheManager:
         )
 
     def free(self, req_id: str, worker: str | None) -> None:
-        """Drops the request and its blocks (GPU blocks keep their cache entries in the LRU).
-        ``worker`` None frees regardless of owner (lease reclamation, admin)."""
+        """Drops the request and its blocks (cached ones stay in the LRU); ``worker`` None:
+        whoever owns it (lease reclamation, admin)."""
         request = self._get(req_id) if worker is None else self._owned(req_id, worker, None)
         self.pool.release(request.block_ids)
         self.cpu.release(request.cpu_block_ids)
@@ -427,8 +291,8 @@ class KVCacheManager:
     def preempt(
         self, req_ids: list[str], worker: str, now: float
     ) -> tuple[list[Mode], TransferPlan]:
-        """Preempts running requests, each by swap or recompute per the cost model. Returns the
-        mode per request and the swap-out plan, which must run before the next manager call."""
+        """Preempts running requests, each by swap or recompute per the cost model: the modes
+        and the swap-out plan (run before the next manager call)."""
         victims = [self._owned(req_id, worker, Status.RUNNING) for req_id in req_ids]  # all or none
         plan = TransferPlan()
         return [self._preempt_one(victim, now, plan) for victim in victims], plan
@@ -437,23 +301,17 @@ class KVCacheManager:
         """Swaps out the blocks that hold tokens (not the lookahead slots past them), or drops
         them all."""
         blocks = request.block_ids[: cdiv(len(request.token_ids), self.block_size)]
-        choice = self.pricing.preempt(
-            request.worker,
-            len(blocks),
-            request.num_computed,
-            self.cpu.num_available,  # demoted prefixes make room for a swap
+        # demoted prefixes make room for a swap: the CPU tier's available blocks count them
+        choice, request.decision_id = self.choices.preempt(
+            request, len(blocks), self.cpu.num_available, now
         )
-        decision = self.decisions.record(
-            request.req_id, now, len(blocks), request.num_computed, choice
-        )
-        request.decision_id = decision.id
         request.preemptions += 1
         if choice.mode == "swap":  # what an unconfirmed copy should hold is computed again
             trusted = trusted_blocks(self.store, request) * self.block_size
             request.num_computed = min(request.num_computed, trusted)
             request.cpu_block_ids = self.store.allocate_cpu(len(blocks))
             plan.swap_out.extend(zip(blocks, request.cpu_block_ids, strict=True))
-            plan.decisions[decision.id] = len(blocks)
+            plan.decisions[request.decision_id] = len(blocks)
             request.status = Status.SWAPPED
         else:
             request.status = Status.DROPPED
@@ -472,10 +330,9 @@ class KVCacheManager:
         return self._resume_one(request)
 
     def _resume_one(self, request: Request) -> tuple[Placement, TransferPlan]:
-        plan = TransferPlan()
         if request.status is Status.DROPPED:
-            return self._place(request, record=False), plan
-        num_computed = request.num_computed
+            return self._place(request, record=False), TransferPlan()
+        plan, num_computed = TransferPlan(), request.num_computed
         placement = self._place(request, record=False)
         reused = placement.num_computed // self.block_size
         swapped = len(request.cpu_block_ids)  # an adopted one may have grown past them
@@ -489,58 +346,34 @@ class KVCacheManager:
         request.num_computed = max(num_computed, placement.num_computed)
         reopen_last_token(self.store, request, self.block_size)
         register_computed(self.store, request, self.block_size)
-        placement = Placement(
-            request.req_id,
-            list(request.block_ids),
-            request.num_computed,
-            placement.num_cached_tokens,
-        )
-        return placement, plan
+        table, cached = list(request.block_ids), placement.num_cached_tokens
+        return Placement(request.req_id, table, request.num_computed, cached), plan
 
     def record_transfer(self, plan: TransferPlan, out_s: float, in_s: float) -> None:
-        """The measured times of an executed plan (swap-out and swap-in parts), shared among
-        its decisions by blocks moved. A plan's decisions own its swap-ins when it has any (a
-        resume, a prefix load: the swap-outs beside them are demotions), else its swap-outs.
-        Prefix loads' swap-in time also refits the price of loads (``Pricing.observe_load``)."""
-        loads = [self._load_busy.pop(d) for d in plan.decisions if d in self._load_busy]
-        if loads and plan.swap_in:
-            self.pricing.observe_load(len(plan.swap_in), any(loads), in_s)
-        seconds = in_s if plan.swap_in else out_s
-        moved = sum(plan.decisions.values())
-        for decision_id, blocks in plan.decisions.items():
-            self.decisions.add_actual(decision_id, seconds * blocks / moved if moved else 0.0)
+        """The measured times of an executed plan (``CostChoices.transferred``)."""
+        self.choices.transferred(plan, out_s, in_s)
 
     def record_recompute(self, req_id: str, seconds: float) -> None:
         """A worker's measured time to recompute a request preempted for recompute."""
         request = self.requests.get(req_id)
         if request is None or request.decision_id is None:
             raise KVError("unknown_request", f"no preemption decision for {req_id!r}")
-        self.decisions.add_actual(request.decision_id, seconds)
+        self.choices.log.add_actual(request.decision_id, seconds)
 
     # ------------------------------------------------------------------ leases and admin
     def orphan_worker(self, worker: str, now: float) -> list[str]:
         """Marks a dead worker's requests orphaned; they keep their blocks until reclaimed."""
-        orphaned = [
-            r for r in self.requests.values() if r.worker == worker and r.orphaned_at is None
-        ]
-        for request in orphaned:
-            request.orphaned_at = now
-        return [r.req_id for r in orphaned]
+        return orphan(self.requests.values(), worker, now)
 
     def reclaim_orphans(self, now: float, grace_s: float) -> list[str]:
         """Frees requests orphaned for longer than ``grace_s``."""
-        expired = [
-            r.req_id
-            for r in self.requests.values()
-            if r.orphaned_at is not None and now - r.orphaned_at >= grace_s
-        ]
+        expired = expired_orphans(self.requests.values(), now, grace_s)
         for req_id in expired:
             self.free(req_id, None)
         return expired
 
     def reset_prefix_cache(self) -> int:
-        """Unregisters every cached block of both tiers (idle ones become free). Returns how
-        many."""
+        """Unregisters every cached block of both tiers (idle ones become free); how many."""
         dropped = self.store.reset()
         for request in self.requests.values():
             if request.status is Status.RUNNING:  # its computed blocks are not offered again
@@ -548,9 +381,7 @@ class KVCacheManager:
         return dropped
 
     def check_integrity(self) -> None:
-        """Raises AssertionError unless every block is in exactly one state, ref counts equal the
-        number of block-table entries naming each block, cache flags match the index, and every
-        request's table fits its tokens."""
+        """Raises AssertionError where the blocks and the tables disagree (``integrity``)."""
         check_integrity(self.store, self.requests, self.block_size)
 
     # ------------------------------------------------------------------ internals

@@ -2,14 +2,17 @@
 the prefix index, its last token reopened for the worker, its truncation.
 
 Helpers of ``KVCacheManager``, the owner of both the requests and the store: they mutate the
-``Request`` and the store they are handed, and are called only from the manager's methods.
+``Request`` and the store they are handed, and are called only from the manager's methods
+(``grow`` and ``append_decodes`` are its ``append`` and ``append_tokens``).
 """
 
 from __future__ import annotations
 
+from kvstore.block_pool import BlockPool
 from kvstore.block_store import BlockStore
 from kvstore.prefix_index import content_hash, index_key
-from kvstore.requests import KVError, Request, Status, cdiv, table_blocks
+from kvstore.protocol import LOOKAHEAD_SLOTS
+from kvstore.requests import Growth, KVError, Request, Status, cdiv, table_blocks
 
 
 def must_copy(store: BlockStore, block: int) -> bool:
@@ -88,3 +91,88 @@ def truncate(store: BlockStore, request: Request, length: int, block_size: int) 
     elif request.status is Status.SWAPPED:
         store.cpu.release(request.cpu_block_ids[keep_blocks:])
         del request.cpu_block_ids[keep_blocks:]
+
+
+def grow(
+    store: BlockStore, request: Request, new_token_ids: list[int], num_computed: int, bs: int
+) -> Growth:
+    """``KVCacheManager.append`` of a running request: the new tokens, their blocks, the
+    copy-on-write copies of shared blocks about to be written, newly computed blocks offered to
+    the prefix index. All or nothing."""
+    req_id = request.req_id
+    tokens, table = request.token_ids, request.block_ids
+    if not request.num_computed <= num_computed <= len(tokens) + len(new_token_ids):
+        raise KVError(
+            "bad_argument",
+            f"num_computed {num_computed} outside [{request.num_computed}, "
+            f"{len(tokens) + len(new_token_ids)}] for {req_id!r}",
+        )
+    blocks_needed = table_blocks(len(tokens) + len(new_token_ids), bs)
+    last = min(blocks_needed, len(table))
+    to_copy = [i for i in range(num_computed // bs, last) if must_copy(store, table[i])]
+    extra = blocks_needed - len(table)
+    copies: list[tuple[int, int, int]] = []
+    new_blocks: list[int] = []
+    if extra > 0 or to_copy:  # the common decode step allocates nothing
+        needed = max(extra, 0) + len(to_copy)
+        if needed > store.pool.num_available:
+            raise KVError(
+                "no_space",
+                f"{req_id!r} needs {needed} blocks, {store.pool.num_available} available",
+            )
+        fresh = store.allocate(needed)
+        for position, dst in zip(to_copy, fresh, strict=False):
+            src = table[position]
+            store.pool.release([src])
+            store.pool.mark_copying(dst)  # trusted once the worker confirms the copy
+            table[position] = dst
+            copies.append((position, src, dst))
+        new_blocks = fresh[len(to_copy) :]
+        table.extend(new_blocks)
+    tokens.extend(new_token_ids)
+    request.num_computed = num_computed
+    if len(tokens) // bs > len(request.contents):
+        extend_hashes(request, bs)
+    if num_computed // bs > request.num_registered:
+        register_computed(store, request, bs)
+    return Growth(req_id, new_blocks, copies)
+
+
+def append_decodes(
+    requests: dict[str, Request],
+    pool: BlockPool,
+    bs: int,
+    worker: str,
+    req_ids: list[str],
+    token_ids: list[int],
+    num_computed: list[int],
+) -> list[int]:
+    """``KVCacheManager.append_tokens``: one token for each request that takes the common path,
+    in a tight loop; the indices of the others."""
+    running = Status.RUNNING
+    refs, cached = pool.ref_counts, pool.cached
+    general: list[int] = []
+    for i, (req_id, token, computed) in enumerate(
+        zip(req_ids, token_ids, num_computed, strict=True)
+    ):
+        r = requests.get(req_id)
+        if r is None or r.worker != worker or r.status is not running:
+            general.append(i)
+            continue
+        tokens, table = r.token_ids, r.block_ids
+        n = len(tokens)
+        block, last = table[n // bs], table[-1]
+        if (
+            computed != n
+            or (n + 1) % bs == 0  # fills its block: to hash
+            or len(table) * bs < n + 1 + LOOKAHEAD_SLOTS  # the table must grow
+            or n // bs != r.num_registered
+            or refs[block] > 1
+            or cached[block]
+            or refs[last] > 1
+        ):
+            general.append(i)
+            continue
+        tokens.append(token)
+        r.num_computed = n
+    return general

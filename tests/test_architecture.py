@@ -33,9 +33,10 @@ DOC = ROOT / "docs" / "architecture.md"
 
 
 def modules_of(package: str) -> list[str]:
+    """Every module of ``package``, its sub-packages' included."""
     return sorted(
-        f"{package}.{path.stem}" if path.stem != "__init__" else package
-        for path in (ROOT / package).glob("*.py")
+        ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        for path in (ROOT / package).rglob("*.py")
     )
 
 
@@ -63,7 +64,7 @@ def test_no_import_crosses_a_boundary_in_the_source(package: str) -> None:
     package ``pagedserve``, and only the kvstore's client side is imported by others."""
     crossings = {
         f"{path.relative_to(ROOT)}: {name}"
-        for path in (ROOT / package).glob("*.py")
+        for path in (ROOT / package).rglob("*.py")
         for name in imports_in(path)
         if not allowed(package, name)
         # "from kvstore import protocol" names the package, then the module: judge the module

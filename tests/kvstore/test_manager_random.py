@@ -357,9 +357,12 @@ class KVMachine(RuleBasedStateMachine):
                 continue
             owed = {dst for _, dst in self.owed[r.worker]}
             for pos in range(r.num_computed):
-                if r.block_ids[pos // BS] in owed:
+                block = r.block_ids[pos // BS]
+                if block in owed:
                     continue  # its worker makes the copy before its next forward
-                slot = self.gpu[r.block_ids[pos // BS]][pos % BS]
+                if r.orphaned_at is not None and self.m.pool.is_copying(block):
+                    continue  # its dead worker never made the copy: its adopter replaces it
+                slot = self.gpu[block][pos % BS]
                 assert slot == r.token_ids[pos], f"{req_id} pos {pos}: {slot} != {r.token_ids[pos]}"
 
 

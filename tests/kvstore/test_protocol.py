@@ -101,7 +101,7 @@ def _structs() -> set[type]:
         cls
         for _, cls in inspect.getmembers(p, inspect.isclass)
         if issubclass(cls, msgspec.Struct)
-        and cls.__module__ == p.__name__
+        and cls.__module__.startswith(p.__name__)  # the package and its modules
         and not cls.__name__.startswith("_")
         and cls not in (p.Call, p.Reply)
     }
