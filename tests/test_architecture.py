@@ -183,6 +183,27 @@ def test_compute_wings_import_only_the_wings_below_them() -> None:
     assert {w for m in graph if (w := _wing(m))} == set(WINGS), "every wing holds modules"
 
 
+def test_no_product_file_is_over_400_lines_and_the_engine_step_reads_in_under_40() -> None:
+    """Files a reader takes in whole; the worker's step, the one place a tensor-parallel rank 0
+    will extend, short enough to read top to bottom."""
+    long = {
+        str(path.relative_to(ROOT)): n
+        for package in OURS
+        for path in (ROOT / package).rglob("*.py")
+        if (n := len(path.read_text().splitlines())) > 400
+    }
+    assert not long, long
+    tree = ast.parse((ROOT / "compute" / "loop" / "engine.py").read_text())
+    [step] = [
+        node
+        for cls in tree.body
+        if isinstance(cls, ast.ClassDef) and cls.name == "Engine"
+        for node in cls.body
+        if isinstance(node, ast.FunctionDef) and node.name == "step"
+    ]
+    assert step.end_lineno is not None and step.end_lineno - step.lineno + 1 < 40
+
+
 def _wing(module: str) -> str | None:
     parts = module.split(".")
     return parts[1] if len(parts) > 2 and parts[0] == "compute" else None
