@@ -356,12 +356,15 @@ class KVMachine(RuleBasedStateMachine):
             if r.status is not Status.RUNNING:
                 continue
             owed = {dst for _, dst in self.owed[r.worker]}
+            pending = {d for w in self.owed for _, d in self.owed[w]} | {
+                d for w in self.made for d in self.made[w]
+            }
             for pos in range(r.num_computed):
                 block = r.block_ids[pos // BS]
                 if block in owed:
                     continue  # its worker makes the copy before its next forward
-                if r.orphaned_at is not None and self.m.pool.is_copying(block):
-                    continue  # its dead worker never made the copy: its adopter replaces it
+                if self.m.pool.is_copying(block) and block not in pending:
+                    continue  # a dead worker's copy, never made: its adopter replaces it
                 slot = self.gpu[block][pos % BS]
                 assert slot == r.token_ids[pos], f"{req_id} pos {pos}: {slot} != {r.token_ids[pos]}"
 
