@@ -169,22 +169,27 @@ def pagedserve_up(
     kvstore_args: str = "",
     gateways: int = 1,
     scheduling: SchedulerConfig = WORKER_DEFAULTS,
+    up_args: tuple[str, ...] = (),
+    env_extra: dict[str, str] | None = None,
 ) -> Iterator[str]:
     """``pagedserve up`` of ``model`` on ``device`` (``kvstore_args``: extra kvstore flags;
-    ``gateways``: gateway processes; ``scheduling``: the worker's), with an admin token
-    (``$PAGEDSERVE_ADMIN_TOKEN``, set if unset); its URL once healthy; stopped (SIGINT) on
-    leaving."""
+    ``gateways``: gateway processes; ``scheduling``: the worker's; ``up_args``: more flags of
+    ``up``; ``env_extra``: its environment's additions, e.g. ``CUDA_VISIBLE_DEVICES``), with an
+    admin token (``$PAGEDSERVE_ADMIN_TOKEN``, set if unset); its URL once healthy; stopped
+    (SIGINT) on leaving."""
     port = free_port()
     os.environ.setdefault(ADMIN_TOKEN_ENV, secrets.token_urlsafe(16))
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        **(env_extra or {}),
     }
     command = [sys.executable, "-m", "pagedserve.cli", "up", "--device", device, "--port"]
     command += [str(port), "--model", model, "--redis-dir", str(redis_dir)]
     if kvstore_args:
         command += [f"--kvstore-args={kvstore_args}"]
     command += ["--gateways", str(gateways), f"--compute-args={' '.join(to_flags(scheduling))}"]
+    command += list(up_args)
     process = subprocess.Popen(command, cwd=ROOT, env=env)
     try:
         wait_http(f"http://127.0.0.1:{port}/health", process, 900, ok=True)

@@ -52,6 +52,11 @@ class ComputeConfig:
         "",
         "name in the kvstore and the Redis consumer group (default: host-pid)",
     )
+    pool: int = flag(
+        0,
+        "the kvstore's pool (GPU) this worker runs on, of its --data-parallel-size; it reads "
+        "that pool's request stream. On CUDA, --device must be the pool's GPU (pool i: cuda:i)",
+    )
     cuda_graph_max_batch: int = flag(
         256,
         "on CUDA, capture decode steps of up to this many requests as CUDA graphs "
@@ -200,6 +205,7 @@ def _start_engine(
             profiles.recompute,
             origin,
             heartbeat=True,
+            pool=config.pool,
         )
 
     return retry_with_backoff(

@@ -20,8 +20,11 @@ from contracts.records import OutputRecord, RecordError, RequestRecord, decode_o
 log = logging.getLogger("pagedserve.queue")
 
 
-async def submit(r: redis.asyncio.Redis, record: RequestRecord) -> str:
-    """Queues a request (params validated: ValueError); returns its entry id."""
+async def submit(
+    r: redis.asyncio.Redis, record: RequestRecord, stream: str = queue_keys.REQUEST_STREAM
+) -> str:
+    """Queues a request on ``stream`` (its pool's: ``queue_keys.request_stream``; params
+    validated: ValueError); returns its entry id."""
     queue_keys.check_bytes(r)
     record.params.validate()
     fields: dict[FieldT, EncodableT] = {
@@ -29,7 +32,7 @@ async def submit(r: redis.asyncio.Redis, record: RequestRecord) -> str:
         "id": record.req_id,
         "rec": encode(record),
     }
-    return queue_keys.text(await r.xadd(queue_keys.REQUEST_STREAM, fields))
+    return queue_keys.text(await r.xadd(stream, fields))
 
 
 async def renew_gateway(r: redis.asyncio.Redis, gateway_id: str, ttl_s: float) -> None:
@@ -42,15 +45,15 @@ async def drop_gateway(r: redis.asyncio.Redis, gateway_id: str) -> None:
     await r.delete(queue_keys.gateway_key(gateway_id))
 
 
-async def missing(r: redis.asyncio.Redis, requests: dict[str, str]) -> set[str]:
-    """Of ``requests`` (req_id -> its entry id in the request stream), those Redis no longer
+async def missing(r: redis.asyncio.Redis, requests: dict[str, tuple[str, str]]) -> set[str]:
+    """Of ``requests`` (req_id -> its request stream and entry id there), those Redis no longer
     knows: neither the entry (waiting or being served) nor an output stream (it finished) is
     there, as after a restart that lost them (no persistence, or writes of the last second)."""
     if not requests:
         return set()
     async with r.pipeline(transaction=False) as pipe:
-        for req_id, entry_id in requests.items():
-            pipe.xrange(queue_keys.REQUEST_STREAM, entry_id, entry_id, 1)
+        for req_id, (stream, entry_id) in requests.items():
+            pipe.xrange(stream, entry_id, entry_id, 1)
             pipe.exists(queue_keys.output_key(req_id))
         found = await pipe.execute()
     pairs = zip(found[::2], found[1::2], strict=True)

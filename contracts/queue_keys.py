@@ -10,6 +10,8 @@ use ``decode_responses=False`` (the default): records are bytes.
 Keys (all under ``pagedserve:``)::
 
     pagedserve:requests        stream of RequestRecord; consumer group "pagedserve:workers"
+                               (pool 0's: each pool of a host has its own, ``request_stream``)
+    pagedserve:requests:{pool} pool ``pool``'s stream (pool > 0), the same group
     pagedserve:out:{req_id}    stream of OutputRecord (token deltas) for one request
     pagedserve:abort:{req_id}  string "1": the client went away (SET EX ABORT_TTL_S)
     pagedserve:wake:{reader}   stream (MAXLEN ~16, EXPIRE WAKE_TTL_S): wakes a reader's
@@ -87,6 +89,13 @@ class Checked(NamedTuple):
 
     aborted: set[str]
     gateways_gone: set[str]
+
+
+def request_stream(pool: int) -> str:
+    """The request stream of the host's pool ``pool`` (its workers read it; the gateway adds a
+    request to the stream of the pool the kvstore routed it to). Pool 0's is the one-GPU
+    stack's ``pagedserve:requests``, so a stack keeps its queue when it grows more GPUs."""
+    return REQUEST_STREAM if pool == 0 else f"{REQUEST_STREAM}:{pool}"
 
 
 def output_key(req_id: str) -> str:

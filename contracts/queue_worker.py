@@ -34,44 +34,51 @@ log = logging.getLogger("pagedserve.queue")
 Entries = list[tuple[bytes, dict[bytes, bytes]]]  # XRANGE's reply with decode_responses=False
 
 
-def ensure_group(r: redis.Redis) -> None:
+def ensure_group(r: redis.Redis, stream: str = queue_keys.REQUEST_STREAM) -> None:
     """Creates the request stream and its consumer group (from the start: requests submitted
     before any worker existed are served). Idempotent."""
     queue_keys.check_bytes(r)
     try:
-        r.xgroup_create(queue_keys.REQUEST_STREAM, queue_keys.REQUEST_GROUP, id="0", mkstream=True)
+        r.xgroup_create(stream, queue_keys.REQUEST_GROUP, id="0", mkstream=True)
     except redis.ResponseError as err:
         if "BUSYGROUP" not in str(err):
             raise
 
 
 def read_requests(
-    r: redis.Redis, consumer: str, count: int = 16, block_ms: int | None = None
+    r: redis.Redis,
+    consumer: str,
+    count: int = 16,
+    block_ms: int | None = None,
+    stream: str = queue_keys.REQUEST_STREAM,
 ) -> list[tuple[str, RequestRecord]]:
     """New requests for ``consumer`` as ``(entry_id, record)``; ``block_ms=None`` does not wait
     (a busy engine loop). block_ms must stay below the client's socket_timeout (redis-py 8: 5 s
     by default; ``block_ms=0``, forever, needs socket_timeout=None). Check ``aborted`` on them
     before admitting: the client may have left."""
     try:
-        reply = r.xreadgroup(
-            queue_keys.REQUEST_GROUP, consumer, {queue_keys.REQUEST_STREAM: ">"}, count, block_ms
-        )
+        reply = r.xreadgroup(queue_keys.REQUEST_GROUP, consumer, {stream: ">"}, count, block_ms)
     except redis.ResponseError as err:  # the stream is gone (Redis restarted without AOF)
         if "NOGROUP" not in str(err):
             raise
-        ensure_group(r)
+        ensure_group(r, stream)
         return []
-    return _accept(r, [entry for _, entries in queue_keys.streams(reply) for entry in entries])
+    entries = [entry for _, entries in queue_keys.streams(reply) for entry in entries]
+    return _accept(r, entries, stream=stream)
 
 
-def read_command(consumer: str, count: int) -> tuple[object, ...]:
+def read_command(
+    consumer: str, count: int, stream: str = queue_keys.REQUEST_STREAM
+) -> tuple[object, ...]:
     """The XREADGROUP of ``read_requests`` (``count`` new entries, no wait) as command arguments,
     for a caller that pipelines it and hands the raw reply to ``requests_of``."""
-    group, stream = queue_keys.REQUEST_GROUP, queue_keys.REQUEST_STREAM
+    group = queue_keys.REQUEST_GROUP
     return ("XREADGROUP", "GROUP", group, consumer, "COUNT", count, "STREAMS", stream, ">")
 
 
-def requests_of(r: redis.Redis, reply: Any) -> list[tuple[str, RequestRecord]]:
+def requests_of(
+    r: redis.Redis, reply: Any, stream: str = queue_keys.REQUEST_STREAM
+) -> list[tuple[str, RequestRecord]]:
     """The requests of a raw ``read_command`` reply (RESP2 or RESP3, fields as a flat list), as
     ``read_requests`` returns them (malformed entries failed through ``r``)."""
     entries = [
@@ -79,7 +86,7 @@ def requests_of(r: redis.Redis, reply: Any) -> list[tuple[str, RequestRecord]]:
         for _, stream_entries in queue_keys.streams(reply)
         for entry_id, fields in stream_entries
     ]
-    return _accept(r, entries)
+    return _accept(r, entries, stream=stream)
 
 
 def claim_stale(
@@ -88,6 +95,7 @@ def claim_stale(
     min_idle_ms: int = queue_keys.CLAIM_IDLE_MS,
     count: int = 16,
     max_deliveries: int = queue_keys.MAX_DELIVERIES,
+    stream: str = queue_keys.REQUEST_STREAM,
 ) -> list[tuple[str, RequestRecord]]:
     """Takes over up to ``count`` requests of dead workers (pending and untouched for
     ``min_idle_ms``). Resume each from ``read_streamed``. Requests delivered more than
@@ -96,7 +104,7 @@ def claim_stale(
     cursor, vanished = "0-0", False
     while len(entries) < count:
         reply = r.xautoclaim(
-            queue_keys.REQUEST_STREAM,
+            stream,
             queue_keys.REQUEST_GROUP,
             consumer,
             min_idle_ms,
@@ -111,16 +119,14 @@ def claim_stale(
         if cursor == "0-0":
             break
     if vanished:
-        _ack_vanished(r, consumer)
+        _ack_vanished(r, consumer, stream=stream)
     if not entries:
         return []
     pipe = r.pipeline(transaction=False)
     for entry_id, _ in entries:
-        pipe.xpending_range(
-            queue_keys.REQUEST_STREAM, queue_keys.REQUEST_GROUP, entry_id, entry_id, 1
-        )
+        pipe.xpending_range(stream, queue_keys.REQUEST_GROUP, entry_id, entry_id, 1)
     deliveries = {p[0]["message_id"]: p[0]["times_delivered"] for p in pipe.execute() if p}
-    return _accept(r, entries, deliveries, max_deliveries)
+    return _accept(r, entries, deliveries, max_deliveries, stream)
 
 
 _CLAIM_OWN_LUA = """
@@ -147,6 +153,7 @@ def claim_own(
     redeliver: bool,
     max_deliveries: int = queue_keys.MAX_DELIVERIES,
     limit: int = 10_000,
+    stream: str = queue_keys.REQUEST_STREAM,
 ) -> list[tuple[str, RequestRecord]]:
     """``consumer``'s own pending requests, to serve again: after a restart under the same name
     (``redeliver``: each counts as a delivery, and those delivered more than ``max_deliveries``
@@ -159,7 +166,7 @@ def claim_own(
     reply = r.eval(
         _CLAIM_OWN_LUA,
         1,
-        queue_keys.REQUEST_STREAM,
+        stream,
         queue_keys.REQUEST_GROUP,
         consumer,
         limit,
@@ -170,13 +177,13 @@ def claim_own(
         return []
     pipe = r.pipeline(transaction=False)
     for entry_id in ids:
-        pipe.xrange(queue_keys.REQUEST_STREAM, entry_id, entry_id, 1)
+        pipe.xrange(stream, entry_id, entry_id, 1)
     found = {queue_keys.text(rows[0][0]): rows[0][1] for rows in pipe.execute() if rows}
     gone = [entry_id for entry_id in ids if entry_id not in found]
     if gone:  # deleted from the stream without an ack: nothing left to serve
-        r.xack(queue_keys.REQUEST_STREAM, queue_keys.REQUEST_GROUP, *gone)
+        r.xack(stream, queue_keys.REQUEST_GROUP, *gone)
     deliveries: dict[Any, int] = dict(zip(ids, counts, strict=True))
-    return _accept(r, list(found.items()), deliveries, max_deliveries)
+    return _accept(r, list(found.items()), deliveries, max_deliveries, stream)
 
 
 def _accept(
@@ -184,6 +191,7 @@ def _accept(
     entries: list[tuple[Any, dict[bytes, bytes]]],
     deliveries: dict[Any, int] | None = None,
     max_deliveries: int = queue_keys.MAX_DELIVERIES,
+    stream: str = queue_keys.REQUEST_STREAM,
 ) -> list[tuple[str, RequestRecord]]:
     """Decodes entries; fails (error record + ack) the malformed and the poisonous ones."""
     good: list[tuple[str, RequestRecord]] = []
@@ -214,25 +222,25 @@ def _accept(
                     req_id, finish_reason="error", error=message, final=True, error_code=code
                 )
                 publish(pipe, [error])
-        ack(pipe, [entry_id for entry_id, _, _, _ in failed])
+        ack(pipe, [entry_id for entry_id, _, _, _ in failed], stream)
         pipe.execute()
     return good
 
 
-def _ack_vanished(r: redis.Redis, consumer: str, limit: int = 1000) -> None:
+def _ack_vanished(
+    r: redis.Redis, consumer: str, limit: int = 1000, stream: str = queue_keys.REQUEST_STREAM
+) -> None:
     """Acks ``consumer``'s pending entries that no longer exist in the stream (trimmed or
     deleted without XACK): Redis 6.2 keeps them pending forever otherwise."""
-    pending = r.xpending_range(
-        queue_keys.REQUEST_STREAM, queue_keys.REQUEST_GROUP, "-", "+", limit, consumer
-    )
+    pending = r.xpending_range(stream, queue_keys.REQUEST_GROUP, "-", "+", limit, consumer)
     ids = [p["message_id"] for p in pending]
     pipe = r.pipeline(transaction=False)
     for entry_id in ids:
-        pipe.xrange(queue_keys.REQUEST_STREAM, entry_id, entry_id, 1)
+        pipe.xrange(stream, entry_id, entry_id, 1)
     gone = [entry_id for entry_id, found in zip(ids, pipe.execute(), strict=True) if not found]
     if gone:
         log.warning("acking %d pending request entries deleted from the stream", len(gone))
-        r.xack(queue_keys.REQUEST_STREAM, queue_keys.REQUEST_GROUP, *gone)
+        r.xack(stream, queue_keys.REQUEST_GROUP, *gone)
 
 
 _TOUCH_LUA = """
@@ -248,34 +256,38 @@ return owned
 """
 
 
-def touch(r: redis.Redis, consumer: str, entry_ids: Sequence[str]) -> list[str]:
+def touch(
+    r: redis.Redis, consumer: str, entry_ids: Sequence[str], stream: str = queue_keys.REQUEST_STREAM
+) -> list[str]:
     """Renews the lease on ``consumer``'s in-flight requests (resets their idle time, atomically,
     only where ``consumer`` still owns them). Returns the ids it still owns; a missing one was
     claimed by another worker, which now serves it: stop working on that request."""
     if not entry_ids:
         return []
-    owned = r.eval(
-        _TOUCH_LUA, 1, queue_keys.REQUEST_STREAM, queue_keys.REQUEST_GROUP, consumer, *entry_ids
-    )
+    owned = r.eval(_TOUCH_LUA, 1, stream, queue_keys.REQUEST_GROUP, consumer, *entry_ids)
     return [queue_keys.text(entry_id) for entry_id in owned]
 
 
-def ack(pipe_or_client: redis.Redis | redis.client.Pipeline, entry_ids: Sequence[str]) -> None:
+def ack(
+    pipe_or_client: redis.Redis | redis.client.Pipeline,
+    entry_ids: Sequence[str],
+    stream: str = queue_keys.REQUEST_STREAM,
+) -> None:
     """XACK and XDEL finished requests: atomically (MULTI) when given a client, queued into the
     caller's pipeline (its owner executes it) when given one."""
     if not entry_ids:
         return
     if isinstance(pipe_or_client, redis.client.Pipeline):
-        _ack_into(pipe_or_client, entry_ids)
+        _ack_into(pipe_or_client, entry_ids, stream)
         return
     pipe = pipe_or_client.pipeline(transaction=True)
-    _ack_into(pipe, entry_ids)
+    _ack_into(pipe, entry_ids, stream)
     pipe.execute()
 
 
-def _ack_into(pipe: redis.client.Pipeline, entry_ids: Sequence[str]) -> None:
-    pipe.xack(queue_keys.REQUEST_STREAM, queue_keys.REQUEST_GROUP, *entry_ids)
-    pipe.xdel(queue_keys.REQUEST_STREAM, *entry_ids)
+def _ack_into(pipe: redis.client.Pipeline, entry_ids: Sequence[str], stream: str) -> None:
+    pipe.xack(stream, queue_keys.REQUEST_GROUP, *entry_ids)
+    pipe.xdel(stream, *entry_ids)
 
 
 _PUBLISH_LUA = """
@@ -309,13 +321,14 @@ def step_pipeline(
     records: Iterable[OutputRecord],
     ack_ids: Sequence[str] = (),
     watched: Sequence[str] = (),
+    stream: str = queue_keys.REQUEST_STREAM,
 ) -> redis.client.Pipeline:
     """One engine step's Redis traffic, queued (not executed) in a pipeline: publish the deltas,
     ack the finished requests (after their final record), read the ``watched`` keys (MGET,
     last)."""
     pipe = r.pipeline(transaction=False)
     publish(pipe, records)
-    ack(pipe, ack_ids)
+    ack(pipe, ack_ids, stream)
     if watched:
         pipe.mget(watched)
     return pipe
@@ -343,13 +356,14 @@ def step(
     ack_ids: Sequence[str] = (),
     check_aborted: Sequence[str] = (),
     check_gateways: Sequence[str] = (),
+    stream: str = queue_keys.REQUEST_STREAM,
 ) -> queue_keys.Checked:
     """One engine step's Redis traffic in one round trip (``step_pipeline``), and which of
     ``check_aborted`` were aborted and which of ``check_gateways`` are no longer alive. Not
     atomic: a crash may leave a final record unacked; ``read_streamed(...).final`` tells the
     worker that reclaims it to just ack it."""
     watched = watched_keys(check_aborted, check_gateways)
-    results = step_pipeline(r, records, ack_ids, watched).execute()
+    results = step_pipeline(r, records, ack_ids, watched, stream).execute()
     return checked(results[-1] if watched else [], check_aborted, check_gateways)
 
 

@@ -120,6 +120,7 @@ def cache_body(stats: p.Stats) -> dict[str, Any]:
             "counts": stats.tier_counts,
         },
         "top_prefixes": [as_dict(row) for row in stats.top_prefixes],
+        "pools": [as_dict(row) for row in stats.pools],
     }
 
 

@@ -118,15 +118,30 @@ def tier_map(states: bytes) -> dict[str, Any]:
     }
 
 
+def pool_of(request: web.Request) -> int:
+    """The ``?pool=N`` of a block request (default 0: the first GPU's pool)."""
+    try:
+        pool = int(request.query.get("pool", "0"))
+    except ValueError as err:
+        raise APIError(400, "pool must be an integer", param="pool") from err
+    if pool < 0:
+        raise APIError(404, f"no pool {pool}", param="pool", code="not_found")
+    return pool
+
+
 async def blocks(request: web.Request) -> web.Response:
     state = admin.authorized(request)
+    pool = pool_of(request)
     try:
-        reply = await state.kv.call(p.GetBlockMap())
-    except (KVStoreTimeout, KVStoreError) as err:
+        reply = await state.kv.call(p.GetBlockMap(pool))
+    except KVStoreError as err:
+        if err.code == "bad_message":  # a pool the host does not have
+            raise APIError(404, str(err), param="pool", code="not_found") from err
         raise _unavailable(err) from err
-    return _json(
-        {"states": list(p.BLOCK_STATES), "gpu": tier_map(reply.gpu), "cpu": tier_map(reply.cpu)}
-    )
+    except KVStoreTimeout as err:
+        raise _unavailable(err) from err
+    body = {"states": list(p.BLOCK_STATES), "gpu": tier_map(reply.gpu), "cpu": tier_map(reply.cpu)}
+    return _json({"pool": pool, **body})
 
 
 async def block_info(request: web.Request) -> web.Response:
@@ -140,8 +155,9 @@ async def block_info(request: web.Request) -> web.Response:
         raise APIError(400, "block must be an integer", param="block") from err
     if block < 0:
         raise _no_block(tier, block)
+    pool = pool_of(request)
     try:
-        reply = await state.kv.call(p.GetBlockInfo("gpu" if tier == "gpu" else "cpu", block))
+        reply = await state.kv.call(p.GetBlockInfo("gpu" if tier == "gpu" else "cpu", block, pool))
     except KVStoreError as err:
         if err.code == "bad_message":  # the kvstore's answer to a block past the pool's end
             raise _no_block(tier, block) from err

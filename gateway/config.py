@@ -101,6 +101,14 @@ class GatewayConfig:
         "while Redis is unreachable, requests in flight wait this long for it to "
         "come back (then go on where they were) before they end with an error",
     )
+    routing: str = flag(
+        "prefix",
+        "how a request is placed on one of the kvstore's pools (GPUs), when it has several: "
+        "'prefix' (the kvstore prices each pool by the cost of bringing the prompt's cached "
+        "prefix there plus the work queued and running there, and takes the cheapest), "
+        "'least_loaded' (the work alone), 'round_robin'",
+        choices=["prefix", "least_loaded", "round_robin"],
+    )
     log_level: str = options.log_level()
 
     def resolved_api_key(self, env: dict[str, str]) -> str | None:

@@ -28,12 +28,12 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import redis.asyncio
 
-from contracts import queue_gateway
+from contracts import queue_gateway, queue_keys
 from contracts.records import REQUEST_ERRORS, OutputRecord, RequestRecord
 from gateway.errors import APIError
 from gateway.logprobs import Logprob, PromptLogprob
@@ -124,6 +124,8 @@ class Generation:
     gateway_id: str = ""  # whose liveness key the workers check (RequestRecord.gateway)
     deadline: float | None = None  # time.monotonic() past which it ends (GenerationError)
     keepalive_s: float | None = None  # deltas() yields [] after this long without a record
+    # the request stream of the pool each record goes to (one pool: ``pagedserve:requests``)
+    stream_for: Callable[[RequestRecord], Awaitable[str]] | None = None
     arrival: float = field(default_factory=time.monotonic)
     prompts: list[_Prompt] = field(default_factory=list)
     _first_token: bool = False
@@ -157,10 +159,16 @@ class Generation:
             )
             for prompt in self.prompts
         ]
-        submits = [queue_gateway.submit(self.r, rec) for rec in records]
+        streams = [queue_keys.REQUEST_STREAM] * len(records)
+        if self.stream_for is not None:
+            streams = [await self.stream_for(rec) for rec in records]
+        submits = [
+            queue_gateway.submit(self.r, rec, stream)
+            for rec, stream in zip(records, streams, strict=True)
+        ]
         _, entry_ids = await asyncio.gather(self.router.wake(), asyncio.gather(*submits))
-        for prompt, entry_id in zip(self.prompts, entry_ids, strict=True):
-            self.router.submitted(prompt.req_id, entry_id)
+        for prompt, stream, entry_id in zip(self.prompts, streams, entry_ids, strict=True):
+            self.router.submitted(prompt.req_id, stream, entry_id)
 
     def cancel(self, error: APIError) -> None:
         """Ends ``deltas()`` with ``GenerationError(error)`` (the server is shutting down)."""

@@ -130,6 +130,7 @@ async def _serve(
         gateway_id=state.gateway_id,
         deadline=time.monotonic() + timeout_s if timeout_s else None,
         keepalive_s=keepalive_s,
+        stream_for=state.routes.stream_for,
     )
     try:
         with state.in_flight(gen):

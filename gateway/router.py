@@ -39,6 +39,7 @@ class _Subscription:
     sink: Sink
     cursor: str = "0-0"
     entry_id: str = ""  # its request entry, once submitted
+    stream: str = ""  # the request stream it was submitted to
 
 
 class LostInRedis(Exception):
@@ -83,11 +84,12 @@ class OutputRouter:
             self._woken = True
             await queue_gateway.wake(self.r, self.reader)
 
-    def submitted(self, req_id: str, entry_id: str) -> None:
-        """``req_id`` was queued as ``entry_id`` (checked for after a Redis outage)."""
+    def submitted(self, req_id: str, stream: str, entry_id: str) -> None:
+        """``req_id`` was queued as ``entry_id`` of ``stream`` (checked for after a Redis
+        outage)."""
         sub = self._subs.get(req_id)
         if sub is not None:
-            sub.entry_id = entry_id
+            sub.stream, sub.entry_id = stream, entry_id
 
     def unsubscribe(self, req_id: str) -> None:
         self._subs.pop(req_id, None)
@@ -152,7 +154,9 @@ class OutputRouter:
 
     async def _drop_lost(self) -> None:
         """After an outage: the subscriptions whose request Redis lost get an error."""
-        submitted = {req_id: sub.entry_id for req_id, sub in self._subs.items() if sub.entry_id}
+        submitted = {
+            req_id: (sub.stream, sub.entry_id) for req_id, sub in self._subs.items() if sub.entry_id
+        }
         for req_id in await queue_gateway.missing(self.r, submitted):
             sub = self._subs.pop(req_id, None)
             if sub is not None:

@@ -5,7 +5,8 @@ Background work, on the app's loop: the output router (``gateway.router``), the 
 which renews this gateway's liveness key in Redis every third of its TTL (workers abort the
 requests of a gateway whose key expired), on a clock of its own, and the housekeeping loop,
 which refreshes what the kvstore can hold (``kv_capacity``, the admission check of
-``gateway.prepare``).
+``gateway.prepare``) and how many pools it has (``routes.pools``). With several, each request
+goes to the request stream of the pool the kvstore routes it to (``gateway.routing``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from gateway.limits import KVCapacity
 from gateway.metrics import Metrics
 from gateway.model_info import ModelInfo
 from gateway.router import OutputRouter
+from gateway.routing import Routes, routing_policy
 
 log = logging.getLogger("pagedserve.gateway")
 QUEUE_LENGTH_TTL_S = 0.05  # back-pressure reads XLEN at most this often
@@ -58,6 +60,7 @@ class AppState:
     _redis: redis.asyncio.Redis | None = None
     _kv: AsyncKVClient | None = None
     _router: OutputRouter | None = None
+    _routes: Routes | None = None
     _executor: ThreadPoolExecutor | None = None
     _in_flight: set[Generation] = field(default_factory=set)
     _idle: asyncio.Event = field(default_factory=asyncio.Event)
@@ -73,6 +76,11 @@ class AppState:
     def kv(self) -> AsyncKVClient:
         assert self._kv is not None, "the app is not running"
         return self._kv
+
+    @property
+    def routes(self) -> Routes:
+        assert self._routes is not None, "the app is not running"
+        return self._routes
 
     @property
     def router(self) -> OutputRouter:
@@ -96,6 +104,7 @@ class AppState:
         )
         self._redis = redis.asyncio.Redis(connection_pool=pool)
         self._kv = AsyncKVClient(self.config.kvstore, self.config.kvstore_timeout_s)
+        self._routes = Routes(self._kv, routing_policy(self.config.routing))
         self._router = OutputRouter(
             self._redis, outage_s=self.config.redis_outage_s, on_reconnect=self._renew
         )
@@ -151,6 +160,7 @@ class AppState:
         try:
             stats = await self.kv.stats(0)
             self.kv_capacity = KVCapacity(stats.admission_limit_blocks, stats.block_size)
+            self.routes.pools = max(len(stats.pools), 1)
         except (KVStoreTimeout, KVStoreError):
             pass  # /health says the kvstore is down
 
@@ -198,7 +208,11 @@ class AppState:
         ``QUEUE_LENGTH_TTL_S`` unless ``fresh``."""
         now = time.monotonic()
         if fresh or now - self._queue_length_at > QUEUE_LENGTH_TTL_S:
-            self._queue_length = int(await self.redis.xlen(queue_keys.REQUEST_STREAM))
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for pool in range(self.routes.pools):
+                    pipe.xlen(queue_keys.request_stream(pool))
+                lengths = await pipe.execute()
+            self._queue_length = sum(int(n) for n in lengths)
             self._queue_length_at = now
         return self._queue_length
 

@@ -28,7 +28,7 @@ from kvstore.block_pool import BlockPool, CpuTier, NoFreeBlocks
 from kvstore.prefix_index import PrefixIndex
 from kvstore.requests import KVError, TransferPlan
 
-TIER_COUNTS = ("demoted", "demoted_at_eviction", "dropped", "loaded", "recomputed")
+TIER_COUNTS = ("demoted", "demoted_at_eviction", "dropped", "loaded", "recomputed", "received")
 
 
 class BlockStore:
@@ -140,6 +140,19 @@ class BlockStore:
         self.pending.swap_in.extend(zip(cpu_blocks, blocks, strict=True))
         self.pending.decisions[decision_id] = len(blocks)
         self.counts["loaded"] += len(keys)
+        return blocks
+
+    def receive(self, keys: list[bytes], contents: list[bytes], positions: list[int]) -> list[int]:
+        """Chain ``positions`` of ``keys``/``contents`` (none held by a GPU block here) copied in
+        from another pool: a fresh GPU block each, ref 1 (the caller releases them once the
+        request that wanted them holds them) and registered under its key. **The caller copies
+        the bytes in before any other call**, as for ``pending``."""
+        blocks = self.allocate(len(positions))
+        for i, block in zip(positions, blocks, strict=True):
+            parent = keys[i - 1] if i else None
+            registered = self.register(block, keys[i], contents[i], parent, i)
+            assert registered, f"block {block} could not take key {keys[i].hex()[:16]}"
+        self.counts["received"] += len(blocks)
         return blocks
 
     def register(

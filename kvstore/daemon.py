@@ -1,9 +1,9 @@
 """``pagedserve kvstore``: the KV-cache daemon process.
 
 One thread: a ZeroMQ ROUTER socket polled with a short timeout; each frame is decoded, handled
-by ``KVService`` and answered (errors included: a malformed frame, a wrong protocol version, a
-missing or wrong token or a handler failure get an ``Error`` reply and the loop goes on). Between
-frames it expires leases.
+by the ``Host`` (one ``KVService`` per pool) and answered (errors included: a malformed frame, a
+wrong protocol version, a missing or wrong token or a handler failure get an ``Error`` reply and
+the loop goes on). Between frames it expires leases.
 
 Startup order: check the endpoint and bind it (fast: a refused endpoint costs no allocation),
 remove dead daemons' pool files, allocate the pools, serve. See ``kvstore.security`` for the
@@ -17,18 +17,16 @@ import math
 import os
 import signal
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
 
 from contracts import options
-from contracts.endpoints import DEFAULT_ENDPOINT, TOKEN_ENV, env_token
+from contracts.endpoints import TOKEN_ENV, env_token
 from contracts.heap import tune_gc_for_serving
-from contracts.options import flag
 from kvstore import protocol as p
-from kvstore.manager import KVCacheManager
+from kvstore.config import KVStoreConfig
+from kvstore.host import Host
 from kvstore.security import (
     EndpointError,
     check_endpoint,
@@ -36,145 +34,12 @@ from kvstore.security import (
     prepare_ipc_path,
     token_matches,
 )
-from kvstore.service import KVService
+from kvstore.startup import build_host, disable_expandable_segments
 
-if TYPE_CHECKING:
-    from kvstore.device import DevicePools
+__all__ = ["Daemon", "KVStoreConfig", "disable_expandable_segments", "run"]
 
 log = logging.getLogger("pagedserve.kvstore")
 REFUSAL_LOG_INTERVAL_S = 10.0
-
-
-@dataclass(frozen=True)
-class KVStoreConfig:
-    model: str = options.model(": its config gives the KV geometry")
-    dtype: str = options.dtype("KV dtype; 'auto' takes the model config's")
-    device: str = options.device(
-        "where the pool lives: 'cuda', 'cuda:N', 'cpu' (a /dev/shm file of mode 0600, for workers "
-        "of this user; files dead kvstores left there are removed at startup) or 'auto'"
-    )
-    block_size: int = flag(16, "tokens per KV block (a power of two)")
-    kv_memory: str = flag(
-        "auto",
-        "GPU pool size: GiB ('8', '8GiB') or a fraction of free memory ('0.5'); 'auto' "
-        "is 0.5 of free GPU memory on CUDA and 1 GiB on CPU",
-    )
-    swap_memory: str = flag(
-        "4GiB",
-        "CPU swap tier size (pinned host memory on CUDA hosts); '0' disables swapping",
-    )
-    endpoint: str = flag(
-        DEFAULT_ENDPOINT,
-        "ZeroMQ endpoint to bind: ipc:///path or tcp://host:port. The default is "
-        "a socket in $XDG_RUNTIME_DIR/pagedserve (else <tmp>/pagedserve-<uid>), a directory "
-        "of mode 0700; an ipc socket is made 0600, a stale one (no daemon answers on it) is "
-        f"replaced. tcp:// needs ${TOKEN_ENV} set: with it, every call must carry that "
-        "shared secret (clients read the same variable)",
-    )
-    admission_watermark: float = flag(
-        0.01,
-        "fraction of GPU blocks that admissions leave free for running requests to grow into",
-    )
-    lease_timeout_s: float = flag(
-        p.LEASE_TIMEOUT_S,
-        "a worker silent this long is dead; its requests become orphans, which "
-        "other workers take over (their --claim-idle-ms follows this by default)",
-    )
-    orphan_grace_s: float = flag(
-        60.0,
-        "orphaned requests keep their blocks this long for another worker to adopt",
-    )
-    busy_poll: bool = flag(
-        False,
-        "spin on the socket instead of sleeping between messages: lower "
-        "latency per call (no wake-up), one CPU core kept busy",
-    )
-    cpu_prefix_cache: bool = flag(
-        True,
-        "keep cached prefix blocks evicted from the GPU in the CPU tier (the "
-        "--swap-memory pool, shared with swapped requests, which always win space); a later "
-        "hit loads them back or recomputes them, whichever the cost model prices lower",
-    )
-    write_back_ahead: int = flag(
-        256,
-        "with --cpu-prefix-cache, copy this many of the GPU's next eviction victims "
-        "to the CPU tier between calls, ahead of their eviction (0: copy only at eviction, "
-        "inside the call that evicts)",
-    )
-    calibrate: bool = flag(
-        True,
-        "measure swap bandwidth at startup (the swap side of the cost model)",
-    )
-    log_level: str = options.log_level()
-
-
-def disable_expandable_segments() -> None:
-    """CUDA IPC cannot export memory from expandable segments: force them off before CUDA starts."""
-    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
-    if "expandable_segments:True" in conf:
-        log.warning("PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True; turning it off for IPC")
-    parts = [x for x in conf.split(",") if x and not x.startswith("expandable_segments")]
-    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join([*parts, "expandable_segments:False"])
-
-
-def build_service(config: KVStoreConfig) -> tuple[KVService, DevicePools]:
-    """Removes dead daemons' pool files, allocates the pools (the slow part: progress is logged)
-    and wires the service. Raises ValueError on a flag that makes no sense (memory sizes, dtype)."""
-    disable_expandable_segments()
-    from contracts.model_config import kv_geometry, load_config, resolve_device, resolve_dtype
-    from kvstore.device import (
-        SHM_DIR,
-        DevicePools,
-        blocks_for_memory,
-        blocks_in_gib,
-        remove_stale_pool_files,
-    )
-
-    device = resolve_device(config.device)
-    files, freed = remove_stale_pool_files()
-    if files:
-        log.info(
-            "removed %d stale pool file(s) of dead kvstores from %s: %.1f MiB freed",
-            files,
-            SHM_DIR,
-            freed / 2**20,
-        )
-    model_config = load_config(config.model)
-    geometry = kv_geometry(model_config, resolve_dtype(model_config, config.dtype, device))
-    block_bytes = geometry.block_bytes(config.block_size)
-    kv_memory = config.kv_memory
-    if kv_memory == "auto":
-        kv_memory = "0.5" if device.startswith("cuda") else "1GiB"
-    num_blocks = blocks_for_memory(kv_memory, block_bytes, device)
-    num_cpu_blocks = blocks_in_gib(config.swap_memory, block_bytes)
-    log.info(
-        "model %s: %s, block %d tokens = %d bytes",
-        config.model,
-        geometry,
-        config.block_size,
-        block_bytes,
-    )
-    pools = DevicePools(geometry, config.block_size, num_blocks, num_cpu_blocks, device)
-    manager = KVCacheManager(
-        num_blocks,
-        num_cpu_blocks,
-        config.block_size,
-        config.admission_watermark,
-        config.cpu_prefix_cache,
-    )
-    if config.calibrate and num_cpu_blocks:
-        manager.pricing.calibration = pools.calibrate()
-        if manager.pricing.calibration is not None:
-            out_bw, in_bw = manager.pricing.calibration.bandwidth_gbps()
-            log.info("swap calibration: out %.2f GB/s, in %.2f GB/s", out_bw, in_bw)
-    service = KVService(
-        manager,
-        pools,
-        config.lease_timeout_s,
-        config.orphan_grace_s,
-        write_back_ahead=config.write_back_ahead,
-    )
-    return service, pools
 
 
 class RefusalLog:
@@ -218,7 +83,7 @@ class Daemon:
     def __init__(self, endpoint: str, token: str = "", busy_poll: bool = False) -> None:
         check_endpoint(endpoint, token)
         self.endpoint = endpoint
-        self.service: KVService | None = None
+        self.service: Host | None = None
         self.poll_ms = 0 if busy_poll else 100
         self.stopping = False
         self.refusals = RefusalLog()
@@ -296,7 +161,7 @@ class Daemon:
     def _error(call_id: int, code: p.ErrorCode, message: str) -> bytes:
         return p.encode(p.Reply(p.PROTOCOL_VERSION, call_id, p.Error(code, message)))
 
-    def serve_forever(self, service: KVService) -> None:
+    def serve_forever(self, service: Host) -> None:
         self.service = service
         if self._token:
             log.info("kvstore serving on %s; calls must carry %s", self.endpoint, TOKEN_ENV)
@@ -346,7 +211,7 @@ def run(config: KVStoreConfig) -> None:
     if daemon.stale_socket_removed:
         log.info("replaced a stale socket file (no daemon answered on it) at %s", config.endpoint)
     try:
-        service, pools = build_service(config)
+        host, pools = build_host(config)
     except ValueError as err:
         daemon.close()
         raise SystemExit(f"pagedserve kvstore: {err}") from None
@@ -363,8 +228,9 @@ def run(config: KVStoreConfig) -> None:
     signal.signal(signal.SIGTERM, stop)
     tune_gc_for_serving()
     try:
-        daemon.serve_forever(service)
+        daemon.serve_forever(host)
     finally:
         daemon.close()
-        pools.close()
+        for pool in pools:
+            pool.close()
         log.info("kvstore stopped")

@@ -107,20 +107,62 @@ class Pricing:
             self.calibration,
             self.prefill_profiles.get(worker, []),
         )
-        refit = self._recomputes.get(worker)
-        if refit is None or prior.predicted_swap_s is None:
+        if worker not in self._recomputes or prior.predicted_swap_s is None:
             return prior
-        busy = running > 0
-        load_s = self.loads.move_s(load_blocks, busy, prior.predicted_swap_s)
-        base = running + suffix_tokens
-        linear = step_growth(recompute_tokens, base, self.graph_buckets.get(worker, []))
-        fallback = prior.predicted_recompute_s or 0.0
-        recompute_s = refit.recompute_s(
-            recompute_tokens, context_tokens, busy, fallback, suffix_tokens, linear
+        load_s = self.loads.move_s(load_blocks, running > 0, prior.predicted_swap_s)
+        recompute_s = self._recompute_s(
+            worker, recompute_tokens, context_tokens, suffix_tokens, running, prior
         )
+        assert recompute_s is not None  # the worker's refit prices it
         if load_s <= recompute_s:
             return Choice("load", "loading is cheaper (measured prices)", load_s, recompute_s)
         return Choice("recompute", "recompute is cheaper (measured prices)", load_s, recompute_s)
+
+    def peer_copy(
+        self,
+        worker: str,
+        copy_s: float,
+        recompute_tokens: int,
+        context_tokens: int,
+        suffix_tokens: int,
+        running: int,
+    ) -> Choice:
+        """Copy blocks another pool caches into this one (``copy_s``: the measured price of the
+        batch), or let ``worker`` recompute their ``recompute_tokens``? The recompute is priced
+        as for a prefix load (``prefix_load``); without any profile from the worker, the copy
+        wins (it was measured, the recompute was not)."""
+        prior = choose_prefix_load(
+            1, recompute_tokens, 0, None, self.prefill_profiles.get(worker, [])
+        )
+        recompute_s = self._recompute_s(
+            worker, recompute_tokens, context_tokens, suffix_tokens, running, prior
+        )
+        if recompute_s is None:
+            return Choice("copy", "no profile from the worker", copy_s, None)
+        if copy_s <= recompute_s:
+            return Choice("copy", "copying is cheaper", copy_s, recompute_s)
+        return Choice("recompute", "recompute is cheaper", copy_s, recompute_s)
+
+    def _recompute_s(
+        self,
+        worker: str,
+        tokens: int,
+        context_tokens: int,
+        suffix_tokens: int,
+        running: int,
+        prior: Choice,
+    ) -> float | None:
+        """Recomputing ``tokens`` after ``context_tokens`` beside ``suffix_tokens`` more, on
+        ``worker`` running ``running`` others: the refit of its recompute profile where it sent
+        one, else the prior's marginal prefill time (None without a profile)."""
+        refit = self._recomputes.get(worker)
+        if refit is None:
+            return prior.predicted_recompute_s
+        base = running + suffix_tokens
+        linear = step_growth(tokens, base, self.graph_buckets.get(worker, []))
+        fallback = prior.predicted_recompute_s or 0.0
+        busy = running > 0
+        return refit.recompute_s(tokens, context_tokens, busy, fallback, suffix_tokens, linear)
 
     def preempt(self, worker: str, blocks: int, tokens: int, cpu_blocks_free: int) -> Choice:
         """Swap out + in or recompute a victim holding ``blocks`` with ``tokens`` computed."""

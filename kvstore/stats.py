@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from kvstore import protocol as p
 from kvstore.requests import Status
 
@@ -86,6 +88,71 @@ def build_stats(
         prefix_hit_tokens_cpu=index.hit_tokens_cpu,
         tier_counts=dict(m.store.counts),
         cpu_prefix_cache=m.store.cpu_prefix_cache,
+    )
+
+
+def pool_row(
+    pool: int,
+    device: str,
+    m: KVCacheManager,
+    workers: list[str],
+    queued: int,
+    queued_tokens: int,
+    copied_in_blocks: int,
+) -> p.PoolRow:
+    """One pool's line of the host's stats (``Host`` counts what was routed and copied)."""
+    gpu = m.pool
+    return p.PoolRow(
+        pool,
+        device,
+        p.TierStats(gpu.num_blocks, gpu.num_free, gpu.num_used, gpu.num_cached_free),
+        sorted(workers),
+        sum(r.status is Status.RUNNING for r in m.requests.values()),
+        queued,
+        queued_tokens,
+        m.index.queried_tokens,
+        m.index.hit_tokens,
+        copied_in_blocks,
+    )
+
+
+def merge_stats(stats: list[p.Stats], rows: list[p.PoolRow], top: int) -> p.Stats:
+    """The host's stats: the pools' ``stats`` summed (their lists joined, the most hit
+    prefixes of all, the smallest admission limit, the first pool's calibration) and one
+    ``rows`` line per pool."""
+    first = stats[0]
+    if len(stats) == 1:
+        return msgspec.structs.replace(first, pools=rows)
+
+    def tier(parts: list[p.TierStats]) -> p.TierStats:
+        fields = p.TierStats.__struct_fields__
+        return p.TierStats(*(sum(getattr(t, f) for t in parts) for f in fields))
+
+    def counts(parts: list[dict[str, int]]) -> dict[str, int]:
+        total: dict[str, int] = {}
+        for part in parts:
+            for key, value in part.items():
+                total[key] = total.get(key, 0) + value
+        return total
+
+    prefixes = sorted((row for s in stats for row in s.top_prefixes), key=lambda r: -r.hits)
+    return msgspec.structs.replace(
+        first,
+        admission_limit_blocks=min(s.admission_limit_blocks for s in stats),
+        gpu=tier([s.gpu for s in stats]),
+        cpu=tier([s.cpu for s in stats]),
+        prefix_lookups=sum(s.prefix_lookups for s in stats),
+        prefix_queried_tokens=sum(s.prefix_queried_tokens for s in stats),
+        prefix_hit_tokens=sum(s.prefix_hit_tokens for s in stats),
+        prefix_stops=counts([s.prefix_stops for s in stats]),
+        top_prefixes=prefixes[:top],
+        requests=[row for s in stats for row in s.requests],
+        workers=[row for s in stats for row in s.workers],
+        decisions=sorted((d for s in stats for d in s.decisions), key=lambda d: d.at),
+        preemptions=counts([s.preemptions for s in stats]),
+        prefix_hit_tokens_cpu=sum(s.prefix_hit_tokens_cpu for s in stats),
+        tier_counts=counts([s.tier_counts for s in stats]),
+        pools=rows,
     )
 
 

@@ -42,6 +42,7 @@ from pagedserve.bench_workloads import (
     Turn,
     Workload,
     build,
+    parse_popularity,
     parse_range,
     with_schemas,
 )
@@ -210,25 +211,32 @@ class Progress:
             print(file=sys.stderr)
 
 
+def requests_of(config: BenchConfig) -> list[list[Turn]]:
+    """The requests ``config`` asks for, grouped as ``build`` does. Raises ValueError (a bad
+    flag) or OSError (the tokenizer)."""
+    decode, vocab = tokenizer_of(config.tokenizer)
+    groups = build(
+        _workload(config.workload),
+        config.num_requests,
+        parse_range(config.input_len),
+        parse_range(config.output_len),
+        config.seed,
+        lambda rng: TextMaker(rng, decode, vocab),
+        parse_range(config.prefix_len),
+        config.num_prefixes,
+        config.turns,
+        config.conversations,
+        parse_range(config.first_prompt_len) if config.first_prompt_len else None,
+        parse_range(config.turn_prompt_len) if config.turn_prompt_len else None,
+        prefix_zipf=parse_popularity(config.prefix_popularity),
+    )
+    return with_schemas(groups, config.guided_fraction, config.seed)
+
+
 def run(config: BenchConfig) -> dict[str, Any]:
     """``pagedserve bench``: sends the workload, prints the report; the summary."""
     try:
-        decode, vocab = tokenizer_of(config.tokenizer)
-        groups = build(
-            _workload(config.workload),
-            config.num_requests,
-            parse_range(config.input_len),
-            parse_range(config.output_len),
-            config.seed,
-            lambda rng: TextMaker(rng, decode, vocab),
-            config.prefix_len,
-            config.num_prefixes,
-            config.turns,
-            config.conversations,
-            parse_range(config.first_prompt_len) if config.first_prompt_len else None,
-            parse_range(config.turn_prompt_len) if config.turn_prompt_len else None,
-        )
-        groups = with_schemas(groups, config.guided_fraction, config.seed)
+        groups = requests_of(config)
     except (ValueError, OSError) as err:
         raise SystemExit(f"pagedserve bench: {err}") from None
     tune_gc_for_serving()  # a full collection's pause would count as the server's latency

@@ -26,8 +26,18 @@ class BenchConfig:
     )
     input_len: str = flag("64:1024", "prompt length lo:hi, tokens (words without --tokenizer)")
     output_len: str = flag("32:512", "max_tokens lo:hi")
-    prefix_len: int = flag(512, "shared-prefix: the prefix length")
-    num_prefixes: int = flag(4, "shared-prefix: distinct prefixes")
+    prefix_len: str = flag(
+        "512",
+        "shared-prefix: each prefix's length, tokens (words without --tokenizer): N, or lo:hi "
+        "for each prefix (system prompt, tenant) to draw its own (uniform, seeded)",
+    )
+    num_prefixes: int = flag(4, "shared-prefix: distinct prefixes (system prompts, tenants)")
+    prefix_popularity: str = flag(
+        "uniform",
+        "shared-prefix: which prefix each request uses: 'uniform' (the prefixes in turn, equal "
+        "shares) or 'zipf:S', e.g. zipf:1.1 (drawn, seeded by --seed; the prefix of rank r "
+        "weighted 1/r^S, so the first ones take most requests)",
+    )
     turns: int = flag(4, "multi-turn: turns per conversation")
     conversations: int = flag(0, "multi-turn: conversations (0: --num-requests // --turns)")
     first_prompt_len: str = flag(

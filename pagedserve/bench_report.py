@@ -125,7 +125,8 @@ def report(summary: dict[str, Any]) -> str:
         f"{summary['duration_s']:.2f} s",
         f"output {summary['output_tok_s']:.1f} tok/s, input {summary['input_tok_s']:.1f} tok/s, "
         f"{summary['request_s']:.2f} req/s (goodput {summary['goodput_request_s']:.2f} req/s)",
-        f"prefix cache: {summary['cached_tokens']} of {summary['input_tokens']} prompt tokens",
+        f"prefix cache: {summary['cached_tokens']} of {summary['input_tokens']} prompt tokens "
+        f"({summary['cached_fraction']:.1%} hit)",
     ]
     if summary["guided"]:
         lines.append(

@@ -7,8 +7,11 @@ OpenAI-compatible server takes them, on ``/v1/completions`` and on ``/v1/chat/co
 
 - ``random``: each request a fresh prompt of ``input_len`` and ``max_tokens`` of ``output_len``
   (both ``lo:hi`` ranges, uniform);
-- ``shared-prefix``: each request one of ``num_prefixes`` prefixes of ``prefix_len`` followed by
-  a fresh part of ``input_len`` (the prefix cache's case);
+- ``shared-prefix``: each request one of ``num_prefixes`` prefixes (system prompts, tenants)
+  followed by a fresh part of ``input_len`` (the prefix cache's case). Each prefix is
+  ``prefix_len`` long, or draws its own length from a ``lo:hi`` range; the requests take the
+  prefixes in turn (``uniform``) or draw them with Zipf popularity (``zipf:S``: the prefix of
+  rank r, 1-based, weighted 1/r^S), seeded;
 - ``multi-turn``: ``conversations`` conversations of ``turns`` turns. A conversation opens
   with a prompt of its own (``first_prompt_len``: a random system and user message, so no two
   histories share more than the BOS); each later turn's prompt is the previous turn's whole
@@ -22,6 +25,7 @@ Any of them with a fraction of the requests asking for structured output (``with
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -60,6 +64,31 @@ def parse_range(spec: str) -> tuple[int, int]:
     return low, high
 
 
+def parse_popularity(spec: str) -> float | None:
+    """``"uniform"``: None (the prefixes in turn); ``"zipf:S"``: S, a finite number > 0.
+    Raises ValueError."""
+    if spec == "uniform":
+        return None
+    name, _, exponent = spec.partition(":")
+    try:
+        s = float(exponent)
+    except ValueError:
+        s = math.nan
+    if name != "zipf" or not 0 < s < math.inf:
+        raise ValueError(f"prefix popularity {spec!r}: expected 'uniform' or 'zipf:S' with S > 0")
+    return s
+
+
+def prefix_picks(count: int, prefixes: int, zipf: float | None, seed: int) -> list[int]:
+    """Which prefix each of ``count`` requests uses: in turn for ``zipf`` None, else drawn
+    (seeded, a generator of its own, so the texts do not depend on it) with the prefix of rank
+    r (index r - 1) weighted 1/r^zipf."""
+    if zipf is None:
+        return [i % prefixes for i in range(count)]
+    weights = [1 / rank**zipf for rank in range(1, prefixes + 1)]
+    return random.Random(seed + 2).choices(range(prefixes), weights=weights, k=count)
+
+
 @dataclass(frozen=True)
 class Turn:
     """One request: the user's new text, its output budget, and the conversation it belongs to
@@ -91,17 +120,20 @@ def build(
     output_len: tuple[int, int],
     seed: int,
     text: Callable[[random.Random], TextMaker],
-    prefix_len: int = 512,
+    prefix_len: int | tuple[int, int] = 512,
     num_prefixes: int = 4,
     turns: int = 4,
     conversations: int = 0,
     first_prompt_len: tuple[int, int] | None = None,
     turn_prompt_len: tuple[int, int] | None = None,
+    prefix_zipf: float | None = None,
 ) -> list[list[Turn]]:
     """The requests, grouped: one group per conversation (multi-turn), else one per request.
-    Multi-turn: ``conversations`` of them (0: ``num_requests // turns``, at least one), the
-    first turn's text of ``first_prompt_len`` and the later ones' of ``turn_prompt_len`` (each
-    ``input_len`` if None). Same arguments, same requests."""
+    Shared-prefix: ``num_prefixes`` prefixes of ``prefix_len`` (a ``(lo, hi)`` range: each its
+    own length), picked as ``prefix_picks`` does with ``prefix_zipf``. Multi-turn:
+    ``conversations`` of them (0: ``num_requests // turns``, at least one), the first turn's
+    text of ``first_prompt_len`` and the later ones' of ``turn_prompt_len`` (each ``input_len``
+    if None). Same arguments, same requests."""
     rng = random.Random(seed)
     make = text(rng)
 
@@ -114,8 +146,15 @@ def build(
     if workload == "random":
         return [[one()] for _ in range(num_requests)]
     if workload == "shared-prefix":
-        prefixes = [make(prefix_len) + " " for _ in range(num_prefixes)]
-        return [[one(prefix=prefixes[i % num_prefixes])] for i in range(num_requests)]
+        if num_prefixes < 1:
+            raise ValueError(f"shared-prefix: {num_prefixes} prefixes, expected at least 1")
+        low, high = (prefix_len, prefix_len) if isinstance(prefix_len, int) else prefix_len
+        # a fixed length draws nothing, so the requests stay those of a plain int prefix_len
+        prefixes = [
+            make(low if low == high else rng.randint(low, high)) + " " for _ in range(num_prefixes)
+        ]
+        picks = prefix_picks(num_requests, num_prefixes, prefix_zipf, seed)
+        return [[one(prefix=prefixes[p])] for p in picks]
     if turns < 1 or conversations < 0:
         raise ValueError(f"multi-turn: {turns} turns, {conversations} conversations")
     count = conversations or max(num_requests // turns, 1)

@@ -18,7 +18,7 @@ import shutil
 import signal
 import socket
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -57,6 +57,12 @@ class UpConfig:
         "compute workers to start; worker i runs as --worker-id {hostname}-{port}-w{i} "
         "(port: the gateway's), so a restarted worker comes back under its id and takes "
         "its pending requests back",
+    )
+    data_parallel_size: int = flag(
+        1,
+        "GPUs to serve on, one KV pool each, all owned by the one kvstore (pool i on cuda:i "
+        "of CUDA_VISIBLE_DEVICES; on CPU, one /dev/shm pool each); --workers run on each. "
+        'The gateway routes each request to a pool (--gateway-args "--routing ...")',
     )
     gateways: int = flag(
         1,
@@ -208,17 +214,21 @@ def _start_stack(
         log.info("redis at %s, append-only file in %s", redis_url, server.directory)
     shared = ["--model", config.model, "--device", config.device]
     kv_flags = ["--endpoint", endpoint, *shared, *shlex.split(config.kvstore_args)]
+    kv_flags += ["--data-parallel-size", str(config.data_parallel_size)]
     supervisor.start(
         ChildSpec("kvstore", partial(spawn_process, "kvstore", kv_flags, **children), stop_order=2)
     )
     kvstore_ready = _ready(partial(probe_kvstore, endpoint, 1.0))
     supervisor.wait_until(kvstore_ready, timeout_s, "the kvstore")
-    worker_flags = [*shared, "--kvstore", endpoint, "--redis-url", redis_url]
+    worker_flags = ["--model", config.model, "--kvstore", endpoint, "--redis-url", redis_url]
     worker_flags += shlex.split(config.compute_args)
     ids = worker_ids(config)
-    for worker_id in ids:
-        flags = [*worker_flags, "--worker-id", worker_id]
-        start = partial(spawn_process, "compute", flags, **children)
+    for worker_id, pool in zip(ids, worker_pools(config), strict=True):
+        flags = [*worker_flags, "--worker-id", worker_id, "--pool", str(pool)]
+        flags += ["--device", config.device]
+        gpu = pool_gpu(config.device, pool, config.data_parallel_size, os.environ)
+        env = {**os.environ} if gpu is None else {**os.environ, "CUDA_VISIBLE_DEVICES": gpu}
+        start = partial(spawn_process, "compute", flags, env=env, **children)
         supervisor.start(ChildSpec(f"worker {worker_id}", start, stop_order=1))
     log.info("workers %s: a restarted one keeps its id, takes its requests back", ", ".join(ids))
     gateway_flags = ["--model", config.model, "--host", config.host, "--port", str(config.port)]
@@ -242,9 +252,34 @@ def _start_stack(
 
 
 def worker_ids(config: UpConfig) -> list[str]:
-    """Stable across restarts of a worker and of `up`: ``{hostname}-{gateway port}-w{i}``."""
+    """Stable across restarts of a worker and of `up`: ``{hostname}-{gateway port}-w{i}``,
+    with several pools ``...-g{pool}-w{i}``."""
     host = socket.gethostname()
-    return [f"{host}-{config.port}-w{i}" for i in range(config.workers)]
+    if config.data_parallel_size == 1:
+        return [f"{host}-{config.port}-w{i}" for i in range(config.workers)]
+    return [
+        f"{host}-{config.port}-g{pool}-w{i}"
+        for pool in range(config.data_parallel_size)
+        for i in range(config.workers)
+    ]
+
+
+def worker_pools(config: UpConfig) -> list[int]:
+    """The pool of each of ``worker_ids``."""
+    return [pool for pool in range(config.data_parallel_size) for _ in range(config.workers)]
+
+
+def pool_gpu(device: str, pool: int, pools: int, env: Mapping[str, str]) -> str | None:
+    """The ``CUDA_VISIBLE_DEVICES`` of a worker of pool ``pool`` (the kvstore's cuda:``pool``,
+    of the GPUs ``env`` makes visible), so that it sees its GPU alone; None: one pool, or CPU."""
+    if pools == 1:
+        return None
+    from contracts.model_config import resolve_device
+
+    if not resolve_device(device).startswith("cuda"):
+        return None
+    visible = [g for g in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
+    return visible[pool].strip() if pool < len(visible) else str(pool)
 
 
 def _check_port_free(host: str, port: int) -> None:
@@ -323,10 +358,13 @@ def _banner(config: UpConfig, url: str, redis_url: str, token: str, ids: list[st
     body += ', "stream": true}'  # greedy: a small model's sampled text wanders (temperature 1)
     redis_dir = config.redis_directory()
     redis_note = "external, not restarted" if os.environ.get("REDIS_URL") else f"in {redis_dir}"
+    dp = config.data_parallel_size
+    pools = f" on {dp} pools" if dp > 1 else ""
     return (
         f"pagedserve is up at {url} (redis {redact(redis_url)}, "
         f"kvstore {config.kvstore_endpoint()}, "
-        f"{config.workers} worker(s), {config.gateways} gateway process(es)). Ctrl-C stops it.\n"
+        f"{len(ids)} worker(s){pools}, {config.gateways} gateway process(es)). "
+        "Ctrl-C stops it.\n"
         f"admin token ({ADMIN_TOKEN_ENV}): {token}\n"
         f"try: curl -N {url}/v1/chat/completions -H 'Content-Type: application/json' "
         f"-d '{body}'\n"

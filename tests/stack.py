@@ -139,31 +139,41 @@ def running_stack(
     healthy_timeout_s: float = 180,
     kvstore_flags: Sequence[str] = (),
     compute_flags: Sequence[str] = (),
+    pools: int = 1,
 ) -> Iterator[Stack]:
-    """A whole stack on CPU (the kvstore, one worker, one gateway) on Redis database ``db``,
-    serving ``model`` (``tiny``, a checkpoint directory or a GGUF model, fp32), once healthy
-    (``healthy_timeout_s``: a worker loads its model and measures its prefill times first)."""
+    """A whole stack on CPU (the kvstore, one worker per pool, one gateway) on Redis database
+    ``db``, serving ``model`` (``tiny``, a checkpoint directory or a GGUF model, fp32), once
+    healthy (``healthy_timeout_s``: a worker loads its model and measures its prefill times
+    first). ``pools``: the kvstore's ``--data-parallel-size``; worker i (``w{i}``) serves pool i."""
     url = redis_url.rsplit("/", 1)[0] + f"/{db}"
     dtype = [] if model == "tiny" else ["--dtype", "float32"]
     kv_flags = ["--model", model, "--kv-memory", kv_memory, *dtype, *kvstore_flags]
-    kvstore, endpoint = start_kvstore(*kv_flags)
-    worker_log = open(logs / "worker.log", "wb")  # noqa: SIM115 (open for the stack's life)
+    kvstore, endpoint = start_kvstore(*kv_flags, "--data-parallel-size", str(pools))
     common = ["--model", model, "--redis-url", url, "--kvstore", endpoint]
-    worker = spawn_process(
-        "compute",
-        [*common, "--device", "cpu", *dtype, *compute_flags],
-        stdout=worker_log,
-        stderr=subprocess.STDOUT,
-    )
+    workers, worker_logs = [], []
+    for pool in range(pools):
+        name = "worker.log" if pools == 1 else f"worker-{pool}.log"
+        worker_logs.append(open(logs / name, "wb"))  # noqa: SIM115 (open for the stack's life)
+        ids = [] if pools == 1 else ["--pool", str(pool), "--worker-id", f"w{pool}"]
+        workers.append(
+            spawn_process(
+                "compute",
+                [*common, "--device", "cpu", *dtype, *ids, *compute_flags],
+                stdout=worker_logs[-1],
+                stderr=subprocess.STDOUT,
+            )
+        )
     stack = Stack("", url, endpoint, logs, model)
     try:
         with stack.gateway("--max-body-bytes", str(MAX_BODY_BYTES), *gateway_flags) as gateway:
-            wait_healthy(gateway.url, [kvstore, worker, gateway.process], healthy_timeout_s)
+            wait_healthy(gateway.url, [kvstore, *workers, gateway.process], healthy_timeout_s)
             yield dataclasses.replace(stack, url=gateway.url)
     finally:
-        stop_process(worker)
+        for worker in workers:
+            stop_process(worker)
         stop_process(kvstore)
-        worker_log.close()
+        for log in worker_logs:
+            log.close()
 
 
 # ---------------------------------------------------------------- raw HTTP helpers

@@ -22,7 +22,6 @@ and the Redis job (``Publisher.submit``/``collect``):
 5. collect the last Redis job and submit this step's, one pipelined batch: the deltas, acks,
    abort/gateway checks and a read of new requests, as many as there is room for
    (``compute.loop.publisher``: a busy engine never waits for Redis to hand it requests).
-
 """
 
 from __future__ import annotations
@@ -82,6 +81,7 @@ class Engine:
         recompute_profile: RecomputeProfile | None = None,
         profile_origin: p.ProfileOrigin | None = None,
         heartbeat: bool = False,
+        pool: int = 0,
     ) -> None:
         """Registers at the kvstore, maps its pool and takes back the requests a previous
         process under ``worker_id`` left pending. ``claim_idle_ms``: a pending request untouched
@@ -91,8 +91,9 @@ class Engine:
         replay CUDA graphs of mixed steps (CUDA only, ``ModelRunner``). The profiles go to the
         kvstore's cost model (``compute.model.profile``), with ``profile_origin``. ``heartbeat``: a
         thread keeps its leases while a step is long (``compute.loop.heartbeat``; the worker
-        process's engine has one)."""
+        process's engine has one). ``pool``: its pool at the kvstore, whose stream it reads."""
         self.worker_id = worker_id
+        self.pool, self.stream = pool, queue_keys.request_stream(pool)
         self.model = model
         self.tokenizer = tokenizer
         self.kv = kv
@@ -122,7 +123,7 @@ class Engine:
         self._clock = time.perf_counter()  # when the last phase of step() ended
         self._wants_heartbeat = heartbeat
         self.heartbeat: Heartbeat | None = None  # started at the first registration
-        self.publisher = Publisher(r, worker_id)
+        self.publisher = Publisher(r, worker_id, stream=self.stream)
         self.runner: ModelRunner | None = None
         self.session: Session  # what _connect builds: dropped and built again on recovery
         self._pool: p.PoolInfo | None = None
@@ -156,11 +157,13 @@ class Engine:
                 self.recompute_profile.points,
                 self.recompute_profile.graph_buckets,
                 self.profile_origin,
+                self.pool,
             )
         )
         if self._wants_heartbeat and self.heartbeat is None:  # before the graphs' capture
+            interval = reply.lease_timeout_s / 3
             self.heartbeat = Heartbeat(
-                self.kv.endpoint, self.redis, self.worker_id, reply.lease_timeout_s / 3
+                self.kv.endpoint, self.redis, self.worker_id, interval, stream=self.stream
             )
             self.heartbeat.start()
         if reply.pool != self._pool:
@@ -181,6 +184,7 @@ class Engine:
             # 0: the kvstore's lease, its failure detector (when it lets others adopt the blocks)
             self.claim_idle_ms or int(reply.lease_timeout_s * 1000),
             RECOVERABLE,
+            self.stream,
         )
         session.open(self.redis, self.worker_id, redeliver)
         self.session = session
@@ -227,9 +231,8 @@ class Engine:
             return True
 
         # a kvstore timeout has waited already (its Register waits on for the next daemon)
-        no_wait = (KVStoreTimeout,)
         retried = retry_with_backoff(
-            connect, stop, RECOVERABLE, RETRY_MAX_S, "still cannot serve", no_wait
+            connect, stop, RECOVERABLE, RETRY_MAX_S, "still cannot serve", (KVStoreTimeout,)
         )
         return retried is not None
 
@@ -333,10 +336,8 @@ class Engine:
         if self._clock - self._timeline_sent_at < TIMELINE_EVERY_S:
             return None
         self._timeline_sent_at = self._clock
-        model, held = self.session.model, self.session.scheduler.held_steps
-        return p.StepTimeline(
-            self.steps, model.tokens_computed, model.device_s, self.phases(), held
-        )
+        m, held = self.session.model, self.session.scheduler.held_steps
+        return p.StepTimeline(self.steps, m.tokens_computed, m.device_s, self.phases(), held)
 
     def _publish(self, records: list[OutputRecord], acks: list[str]) -> Checked | None:
         """Reads the replies of the last Redis job (its requests join the intake) and writes

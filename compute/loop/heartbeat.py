@@ -23,7 +23,7 @@ import time
 
 import redis
 
-from contracts import queue_worker
+from contracts import queue_keys, queue_worker
 from kvstore import protocol as p
 from kvstore.client import KVClient, KVStoreError, KVStoreTimeout
 
@@ -41,8 +41,10 @@ class Heartbeat:
         worker_id: str,
         interval_s: float,
         stall_s: float = STALL_S,
+        stream: str = queue_keys.REQUEST_STREAM,
     ) -> None:
         self._endpoint, self._redis, self._worker_id = endpoint, r, worker_id
+        self._stream = stream  # where the worker's requests are pending
         self._interval_s, self._stall_s = interval_s, stall_s
         self._progress = time.monotonic()
         self._held: tuple[str, ...] = ()
@@ -86,6 +88,6 @@ class Heartbeat:
         held = self._held
         if held:
             try:
-                queue_worker.touch(self._redis, self._worker_id, list(held))
+                queue_worker.touch(self._redis, self._worker_id, list(held), self._stream)
             except redis.RedisError as err:
                 log.debug("claims not renewed: %s", err)

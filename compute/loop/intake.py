@@ -19,7 +19,7 @@ import redis
 from compute.batch.admission import ModelLimits, check_request
 from compute.batch.registry import Requests
 from compute.faults import Faults
-from contracts import queue_worker
+from contracts import queue_keys, queue_worker
 from contracts.records import ErrorCode, OutputRecord, RecordError, RequestRecord, Streamed
 
 __all__ = ["GATEWAY_MISSING_S", "Intake"]
@@ -47,8 +47,11 @@ class Intake:
         free_later: Callable[[list[str]], None],
         faults: Faults,
         limits: ModelLimits,
+        stream: str = queue_keys.REQUEST_STREAM,
     ) -> None:
+        """``stream``: the request stream of the worker's pool."""
         self.redis, self.worker_id, self.claim_idle_ms = r, worker_id, claim_idle_ms
+        self.stream = stream
         self.requests = requests
         self.free_later = free_later
         self.faults = faults
@@ -72,13 +75,15 @@ class Intake:
                 # lease; a request ended whose ack is on its way): those are not taken over
                 mine = self.held().union(*self._recent)
                 for entry_id, record in queue_worker.claim_stale(
-                    self.redis, self.worker_id, self.claim_idle_ms, room
+                    self.redis, self.worker_id, self.claim_idle_ms, room, stream=self.stream
                 ):
                     if entry_id not in mine:
                         room -= self.take_over(entry_id, record)
         taken, self.incoming = self.incoming, []  # pending for this worker: start them
         if idle and room > 0 and accepting:
-            taken += queue_worker.read_requests(self.redis, self.worker_id, room, block_ms)
+            taken += queue_worker.read_requests(
+                self.redis, self.worker_id, room, block_ms, self.stream
+            )
         for entry_id, record in taken:
             self._recent[-1].add(entry_id)
             self._enter(entry_id, record, None)
@@ -98,7 +103,7 @@ class Intake:
         """Keeps other workers from taking over this one's requests, started or not
         (``queue_worker.touch``); drops those another worker took over meanwhile."""
         entries = {a.entry_id: a for a in self.requests.active.values()}
-        owned = set(queue_worker.touch(self.redis, self.worker_id, list(self.held())))
+        owned = set(queue_worker.touch(self.redis, self.worker_id, list(self.held()), self.stream))
         self._recent = [self._recent[-1], owned]
         self.incoming = [(entry_id, r) for entry_id, r in self.incoming if entry_id in owned]
         for entry_id in set(entries) - owned:
@@ -117,7 +122,7 @@ class Intake:
             self.refuse(entry_id, record, str(err), "worker_error")
             return 0
         if streamed.final:  # it finished; only the ack was lost
-            queue_worker.ack(self.redis, [entry_id])
+            queue_worker.ack(self.redis, [entry_id], self.stream)
             return 0
         if record.req_id in self.requests.active:  # this worker's own: its claim had lapsed
             return 0
@@ -154,7 +159,7 @@ class Intake:
         failed = OutputRecord(
             record.req_id, finish_reason="error", error=error, final=True, error_code=code
         )
-        queue_worker.step(self.redis, [failed], [entry_id])
+        queue_worker.step(self.redis, [failed], [entry_id], stream=self.stream)
 
     def gone(self, missing: set[str], now: float | None = None) -> list[str]:
         """The gateways among ``missing`` (whose liveness key a Redis job found missing) that

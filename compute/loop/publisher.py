@@ -76,10 +76,17 @@ def resp_commands(commands: list[tuple[object, ...]]) -> bytes:
 
 
 class Publisher:
-    def __init__(self, r: redis.Redis, consumer: str, check_every_s: float = 0.05) -> None:
-        """``consumer``: the worker's name in the requests' consumer group."""
+    def __init__(
+        self,
+        r: redis.Redis,
+        consumer: str,
+        check_every_s: float = 0.05,
+        stream: str = queue_keys.REQUEST_STREAM,
+    ) -> None:
+        """``consumer``: the worker's name in the requests' consumer group of ``stream``."""
         self._redis = r
         self._consumer = consumer
+        self._stream = stream
         self._check_every_s = check_every_s
         self._next_check = 0.0
         self._conn: Connection | None = None
@@ -103,11 +110,11 @@ class Publisher:
         else:
             self._next_check = now + self._check_every_s
         watched = queue_worker.watched_keys(check_aborted, check_gateways)
-        pipe = queue_worker.step_pipeline(self._redis, records, acks, watched)
+        pipe = queue_worker.step_pipeline(self._redis, records, acks, watched, self._stream)
         commands = [args for args, _options in pipe.command_stack]
         replies = len(commands)
         if read > 0:
-            commands.append(queue_worker.read_command(self._consumer, read))
+            commands.append(queue_worker.read_command(self._consumer, read, self._stream))
         if not commands:
             return
         conn = self._connection()
@@ -143,9 +150,9 @@ class Publisher:
         except redis.ResponseError as err:  # read whole: the connection stays in step
             if "NOGROUP" not in str(err):
                 raise
-            queue_worker.ensure_group(self._redis)
+            queue_worker.ensure_group(self._redis, self._stream)
             return []
-        return queue_worker.requests_of(self._redis, reply)
+        return queue_worker.requests_of(self._redis, reply, self._stream)
 
     def drain(self) -> None:
         """Collects the job written last, if any; its error (Redis away) is logged, not raised:

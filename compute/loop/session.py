@@ -40,7 +40,7 @@ from compute.loop.kvsync import KVSync, Refusal
 from compute.loop.model_step import ModelStep
 from compute.model.runner import ModelRunner
 from compute.sampling.grammar import Grammars
-from contracts import queue_worker
+from contracts import queue_keys, queue_worker
 from contracts.queue_keys import Checked
 from contracts.records import ErrorCode, FinishReason, OutputRecord
 from kvstore.client import KVClient
@@ -69,11 +69,13 @@ class Session:
         phase_s: Mapping[str, float],
         claim_idle_ms: int,
         passthrough: tuple[type[BaseException], ...],
+        stream: str = queue_keys.REQUEST_STREAM,
     ) -> None:
         """Starts from empty state (``open`` takes the worker's pending requests back).
         ``phase_s``: the model step's phase totals to go on from (the session before's);
         ``passthrough``: the errors no request's fault boundary keeps (the engine's
-        ``RECOVERABLE``)."""
+        ``RECOVERABLE``); ``stream``: the request stream of the worker's pool."""
+        self.stream = stream
         self.scheduler = Scheduler(config, block_size)
         self.requests = Requests(self.scheduler, decode, eos_ids, worker_id, grammars)
         self.kvsync = KVSync(kv, worker_id, self.requests)
@@ -88,7 +90,14 @@ class Session:
             owed_copies=self.kvsync.take_copies,
         )
         self.intake = Intake(
-            r, worker_id, claim_idle_ms, self.requests, self.model.free_later, self.faults, limits
+            r,
+            worker_id,
+            claim_idle_ms,
+            self.requests,
+            self.model.free_later,
+            self.faults,
+            limits,
+            stream,
         )
         self._finals: list[OutputRecord] = []  # ended requests' records, to publish
         self._acks: list[str] = []  # their entries, to ack
@@ -96,8 +105,8 @@ class Session:
     def open(self, r: redis.Redis, worker_id: str, redeliver: bool) -> None:
         """Takes back from Redis the requests pending for ``worker_id`` (``redeliver``: as a
         new delivery)."""
-        queue_worker.ensure_group(r)
-        for entry_id, record in queue_worker.claim_own(r, worker_id, redeliver):
+        queue_worker.ensure_group(r, self.stream)
+        for entry_id, record in queue_worker.claim_own(r, worker_id, redeliver, stream=self.stream):
             self.intake.take_over(entry_id, record)
 
     @property

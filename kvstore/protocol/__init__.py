@@ -20,6 +20,7 @@ from kvstore.protocol.base import (
     LOOKAHEAD_SLOTS,
     PROTOCOL_VERSION,
     BlockState,
+    Bring,
     DecisionKind,
     DecisionMode,
     ErrorCode,
@@ -29,6 +30,7 @@ from kvstore.protocol.base import (
     PreemptMode,
     ProfileSource,
     RequestStatus,
+    RoutingPolicy,
     Tier,
 )
 from kvstore.protocol.calls import (
@@ -48,6 +50,8 @@ from kvstore.protocol.calls import (
     Register,
     Request,
     ResetCache,
+    Route,
+    RouteItem,
     Step,
     StepTimeline,
     TokenBatch,
@@ -65,9 +69,12 @@ from kvstore.protocol.replies import (
     ItemError,
     Placed,
     Pong,
+    PoolRow,
     PrefixRow,
     Registered,
     RequestRow,
+    Routed,
+    RoutedItem,
     Stats,
     StepReply,
     TierStats,
@@ -86,6 +93,7 @@ __all__ = [
     "BlockInfo",
     "BlockMap",
     "BlockState",
+    "Bring",
     "CacheReset",
     "Calibration",
     "Call",
@@ -110,6 +118,7 @@ __all__ = [
     "Pong",
     "PoolInfo",
     "PoolKind",
+    "PoolRow",
     "PreemptMode",
     "PrefixRow",
     "ProfileOrigin",
@@ -122,6 +131,11 @@ __all__ = [
     "RequestRow",
     "RequestStatus",
     "ResetCache",
+    "Route",
+    "RouteItem",
+    "Routed",
+    "RoutedItem",
+    "RoutingPolicy",
     "Stats",
     "Step",
     "StepReply",
@@ -137,7 +151,9 @@ __all__ = [
     "peek_header",
 ]
 
-ReplyBody = Error | Ack | Registered | StepReply | Stats | CacheReset | Pong | BlockMap | BlockInfo
+ReplyBody = (
+    Error | Ack | Registered | StepReply | Stats | CacheReset | Pong | BlockMap | BlockInfo | Routed
+)
 
 # The reply each request gets when it succeeds (else an Error); the clients check it.
 REPLY_OF: dict[type[Request], type[ReplyBody]] = {
@@ -150,6 +166,7 @@ REPLY_OF: dict[type[Request], type[ReplyBody]] = {
     Ping: Pong,
     GetBlockMap: BlockMap,
     GetBlockInfo: BlockInfo,
+    Route: Routed,
 }
 
 

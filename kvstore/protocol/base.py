@@ -8,12 +8,13 @@ from typing import Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 9  # 2: Call.token; the wire's codes and kinds are closed sets (Literal).
+PROTOCOL_VERSION = 10  # 2: Call.token; the wire's codes and kinds are closed sets (Literal).
 # 3: AdmitItem.reuse_prefix, Step.finals. 4: the CPU prefix tier (Stats fields, DecisionRow.kind,
 # GetBlockMap, GetBlockInfo, Step.timeline, WorkerRow.timeline). 5: Register.recompute_profile
 # and .graph_token_buckets, WorkerRow.recompute_profile. 6: LOOKAHEAD_SLOTS.
 # 7: StepTimeline.held_steps. 8: Register.profile_origin, WorkerRow.profile_origin.
-# 9: Step.copied.
+# 9: Step.copied. 10: pools (Register.pool, Route, Routed, Stats.pools, Pong.pools, the pool of
+# GetBlockMap and GetBlockInfo, the "copy" mode and "peer" kind of decisions).
 
 # A running request's block table holds the slots of its known tokens and of this many after
 # them: a worker may compute that many tokens the kvstore has not heard of yet (sampled tokens
@@ -41,8 +42,14 @@ ItemCode = Literal[
 PreemptMode = Literal["swap", "recompute"]
 # What a decision chose: a preemption swaps or drops; a prefix hit in the CPU tier loads the
 # blocks back ("load") or lets the worker recompute their tokens ("recompute").
-DecisionMode = Literal["swap", "recompute", "load"]
-DecisionKind = Literal["preempt", "prefix"]
+# A prefix cached in another GPU's pool is copied over ("copy") or recomputed.
+DecisionMode = Literal["swap", "recompute", "load", "copy"]
+DecisionKind = Literal["preempt", "prefix", "peer"]
+# How the gateway places a request on one of the host's pools (``kvstore.placement``).
+RoutingPolicy = Literal["prefix", "round_robin", "least_loaded"]
+# How a routed request's cached prefix reaches its pool: it is there, it is copied from another
+# pool, it is recomputed, or nothing is cached anywhere.
+Bring = Literal["cached", "copy", "recompute", "none"]
 # One byte per block in ``BlockMap``: what the block holds now.
 BlockState = Literal["free", "running", "cached", "swapped", "demoted"]
 BLOCK_STATES: tuple[BlockState, ...] = ("free", "running", "cached", "swapped", "demoted")

@@ -8,6 +8,7 @@ import msgspec
 from kvstore.protocol.base import (
     PoolKind,
     ProfileSource,
+    RoutingPolicy,
     Tier,
     _Item,
     _Msg,
@@ -68,6 +69,7 @@ class Register(_Msg):
     recompute_profile: list[tuple[int, int, float]] = []
     graph_token_buckets: list[int] = []
     profile_origin: ProfileOrigin | None = None
+    pool: int = 0  # the host's pool (GPU) the worker runs on; it reads that pool's stream
 
 
 class Heartbeat(_Msg):
@@ -178,7 +180,10 @@ class Ping(_Msg):
 
 
 class GetBlockMap(_Msg):
-    """Every block's state, one byte each (an index into ``BLOCK_STATES``), for both tiers."""
+    """Every block's state, one byte each (an index into ``BLOCK_STATES``), for both tiers of
+    ``pool``."""
+
+    pool: int = 0
 
 
 class GetBlockInfo(_Msg):
@@ -186,6 +191,24 @@ class GetBlockInfo(_Msg):
 
     tier: Tier
     block: int
+    pool: int = 0
+
+
+class RouteItem(_Item):
+    """One request to place: its prompt's ``token_ids`` and its cache ``salt``."""
+
+    req_id: str
+    token_ids: list[int]
+    salt: bytes | None = None
+
+
+class Route(_Msg):
+    """Which of the host's pools should serve each request of ``items``? The daemon answers from
+    what it knows now (``kvstore.placement``), one after the other (each counts as queued on its
+    pool, until a worker admits it there, before the next is placed)."""
+
+    items: list[RouteItem]
+    policy: RoutingPolicy = "prefix"
 
 
 Request = (
@@ -198,6 +221,7 @@ Request = (
     | Ping
     | GetBlockMap
     | GetBlockInfo
+    | Route
 )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from kvstore.protocol.base import (
     BlockState,
+    Bring,
     DecisionKind,
     DecisionMode,
     ErrorCode,
@@ -151,6 +152,23 @@ class WorkerRow(_Item):
     profile_origin: ProfileOrigin | None = None  # of the profiles in force
 
 
+class PoolRow(_Item):
+    """One pool of the host: its device, its GPU tier, its workers, the requests it runs and
+    those routed to it that no worker admitted yet, the prefix tokens it was asked for and hit,
+    and the blocks copied into it from other pools."""
+
+    pool: int
+    device: str
+    gpu: TierStats
+    workers: list[str]
+    running: int
+    queued: int
+    queued_tokens: int
+    prefix_queried_tokens: int
+    prefix_hit_tokens: int
+    copied_in_blocks: int
+
+
 class Stats(_Msg):
     block_size: int
     block_bytes: int
@@ -170,6 +188,7 @@ class Stats(_Msg):
     prefix_hit_tokens_cpu: int  # of prefix_hit_tokens, those loaded back from the CPU tier
     tier_counts: dict[str, int]  # demoted, demoted_at_eviction, dropped, loaded, recomputed
     cpu_prefix_cache: bool  # whether evicted prefixes are kept in the CPU tier
+    pools: list[PoolRow] = []  # one per pool of the host; the fields above sum them
 
 
 class BlockMap(_Msg):
@@ -196,3 +215,22 @@ class CacheReset(_Msg):
 
 class Pong(_Msg):
     uptime_s: float
+    pools: int = 1  # the host's pools: the gateway routes each request when there are several
+
+
+class RoutedItem(_Item):
+    """Where one request goes: the ``pool``, the prefix tokens that pool will hold for it
+    (``cached_tokens``), how they get there (``bring``), why (``reason``), and the predicted
+    seconds of each pool (bringing the prefix, prefilling, waiting), in pool order."""
+
+    pool: int
+    cached_tokens: int
+    bring: Bring
+    reason: str
+    predicted_s: list[float] = []
+
+
+class Routed(_Msg):
+    """``Route``'s answer: an item for each of its items, in order."""
+
+    items: list[RoutedItem]

@@ -86,10 +86,13 @@ class Up:
 
 
 @contextlib.contextmanager
-def running_up(tmp_path: Path, workers: int) -> Iterator[Up]:
+def running_up(tmp_path: Path, workers: int, pools: int = 1) -> Iterator[Up]:
+    """``pagedserve up`` with ``workers`` workers on each of ``pools`` pools."""
     endpoint = f"ipc:///tmp/pagedserve-faults-{uuid.uuid4().hex[:8]}.sock"
     port, log_path = free_port(), tmp_path / f"up-{workers}.log"
     flags = [
+        "--data-parallel-size",
+        str(pools),
         "--workers",
         str(workers),
         "--restart-backoff-s",
@@ -348,6 +351,31 @@ def test_sigkill_of_one_worker_of_two(tmp_path: Path) -> None:
         up.wait_released()
         wait_for("the killed worker to come back", lambda: len(up.workers()) == 2, 180, up.process)
         serves_again(up, expected)
+
+
+def test_sigkill_of_one_pools_worker_leaves_the_other_pool_serving(tmp_path: Path) -> None:
+    """Two pools (GPUs), a worker each: the one serving more of the 20 streams is killed. The
+    other pool's streams go on meanwhile (the killed worker takes seconds to come back: model,
+    profile); `up` restarts it under its id, it takes its pool's requests back, and every
+    stream completes with the text of the uninterrupted run."""
+    tokens = 100  # the restarted worker serves its half alone, beside the other pool's
+    with running_up(tmp_path, workers=1, pools=2) as up:
+        expected = [o.text for o in streams(up.url, max_tokens=tokens)[0]]
+        assert len(up.workers()) == 2
+        killed: list[float] = []
+
+        def kill_the_busiest() -> None:
+            kill_pid(max(up.workers(), key=lambda w: w.requests).pid)
+            killed.append(time.monotonic())
+
+        stamps: list[tuple[float, int]] = []
+        outcomes, _ = streams(up.url, kill_the_busiest, max_tokens=tokens, stamps=stamps)
+        completes_identically(outcomes, expected)
+        during = {i for at, i in stamps if killed[0] + 0.5 < at < killed[0] + 2.5}
+        assert during, "no stream went on while one pool's worker was dead"
+        up.wait_released()
+        wait_for("the killed worker to come back", lambda: len(up.workers()) == 2, 180, up.process)
+        completes_identically(streams(up.url, max_tokens=tokens)[0], expected)
 
 
 @pytest.fixture(autouse=True)

@@ -350,10 +350,11 @@ def test_the_live_map_shows_cached_blocks_and_hits(
             )
             assert timeline["stepsPerS"] > 0 and timeline["tokensPerS"] > 0, timeline
             assert timeline["phases"] >= 3, timeline  # redis_in, launch, process, ...
-            segments = browser.find_elements(
-                By.CSS_SELECTOR, "#workers .timeline .tl-bar.host .tl-seg"
+            titles = browser.execute_script(  # in one call: the table is redrawn each poll
+                "return [...document.querySelectorAll("
+                "'#workers .timeline .tl-bar.host .tl-seg')].map(s => s.title)"
             )
-            assert segments and all(s.get_attribute("title") for s in segments)
+            assert titles and all(titles), titles
             assert "steps/s" in browser.find_element(By.CSS_SELECTOR, "#workers .timeline").text
             time.sleep(4)  # a few more windows in the history strip, for the screenshot
             shot = screenshot(browser, "admin-page.png")

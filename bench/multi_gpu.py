@@ -1,0 +1,179 @@
+"""Two GPUs behind one endpoint, over HTTP with `pagedserve bench`, against one GPU and against
+what a user does today (two independent one-GPU stacks behind a round-robin proxy), on the
+random burst of ``bench/http_serve.py`` (chat, prompts 64-1024 tokens, ``max_tokens`` 32-512,
+greedy, ``ignore_eos``), one run each, in one lease:
+
+- ``one GPU``: ``pagedserve up`` on GPU 0 (``CUDA_VISIBLE_DEVICES=0``);
+- ``two GPUs, one endpoint``: ``pagedserve up --data-parallel-size 2`` (one kvstore owning both
+  pools, a worker per GPU, the gateway routing each request, ``--routing`` as given);
+- ``two stacks + proxy``: two ``pagedserve up`` (GPU 0 and GPU 1) and
+  ``bench/round_robin_proxy.py`` in front, the same client driving the proxy.
+
+Every server first gets 32 untimed warm-up requests (another seed). Each stack runs
+``--gateways-per-gpu`` gateway processes per GPU (4; one gateway process streams ~20-30k tok/s
+of the 1B shape, so fewer would measure the gateways, not the GPUs).
+
+    python bench/multi_gpu.py --shape 1b --requests 1000 [--routing prefix] [--only one,two,pair]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.http_serve import (  # noqa: E402
+    TIMELINE_WAIT_S,
+    bench,
+    pagedserve_up,
+    row,
+    timeline_delta,
+    timelines,
+    wait_http,
+    warm_up,
+)
+from bench.shapes import checkpoint  # noqa: E402
+from pagedserve.procs import interrupt  # noqa: E402
+from pagedserve.redis_server import free_port  # noqa: E402
+
+KINDS = (  # (kind, what its command line holds), first match wins
+    ("redis", "redis-server"),
+    ("gateway", " gateway"),
+    ("worker", " compute"),
+    ("kvstore", " kvstore"),
+    ("client", " bench"),
+    ("proxy", "round_robin_proxy"),
+)
+
+
+def cpu_seconds() -> dict[str, float]:
+    """CPU seconds (user + system) so far of the stack's processes on this host, by kind."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    totals: dict[str, float] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        kind = next((k for k, marker in KINDS if marker in cmdline), None)
+        if kind is not None and ("pagedserve" in cmdline or kind in ("redis", "proxy")):
+            totals[kind] = totals.get(kind, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
+    return totals
+
+
+@contextlib.contextmanager
+def proxy(upstreams: list[str]) -> Iterator[str]:
+    """``bench/round_robin_proxy.py`` in front of ``upstreams``; its URL once it answers."""
+    port = free_port()
+    command = [sys.executable, "bench/round_robin_proxy.py", "--port", str(port)]
+    for upstream in upstreams:
+        command += ["--upstream", upstream]
+    process = subprocess.Popen(command, cwd=ROOT)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", process, 60, ok=True)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        interrupt(process)
+
+
+def timed(
+    url: str, model_dir: Path, requests: int, out: Path, admin_urls: list[str]
+) -> dict[str, Any]:
+    """Warm-up, then the timed run; the workers' step timelines over it (``admin_urls``: the
+    stacks' own URLs, whose admin API the token of ``pagedserve_up`` opens)."""
+    warm_up(url, model_dir.name, model_dir, out, ignore_eos=True)
+    before = [timelines(u) for u in admin_urls]
+    cpu_before, start = cpu_seconds(), time.monotonic()
+    result = bench(url, model_dir.name, model_dir, requests, out, ignore_eos=True)
+    wall, cpu_after = time.monotonic() - start, cpu_seconds()
+    busy = {k: (v - cpu_before.get(k, 0.0)) / wall for k, v in sorted(cpu_after.items())}
+    print(
+        f"{out.stem} CPU cores busy over the run: "
+        + ", ".join(f"{k} {v:.2f}" for k, v in busy.items())
+    )
+    time.sleep(TIMELINE_WAIT_S)
+    steps = [timeline_delta(b, timelines(u)) for b, u in zip(before, admin_urls, strict=True)]
+    print(f"{out.stem}: {result['output_tok_s']:.0f} out tok/s; GPU {result['gpu']}", flush=True)
+    print(f"{out.stem} worker step timelines: {'; '.join(steps)}", flush=True)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=["1b", "8b"], default="1b")
+    parser.add_argument("--requests", type=int, default=1000)
+    parser.add_argument("--out", type=Path, default=Path("/tmp/pagedserve-multi-gpu"))
+    parser.add_argument(
+        "--routing", default="prefix", help="the two-GPU gateway's --routing (prefix, ...)"
+    )
+    parser.add_argument(
+        "--only", default="one,two,pair", help="which runs, in order: one, two, pair"
+    )
+    parser.add_argument(
+        "--gateways-per-gpu",
+        type=int,
+        default=4,
+        help="gateway processes per GPU of each stack (one gateway streams ~20-30k tok/s)",
+    )
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    model_dir = checkpoint(args.out / f"model-{args.shape}", args.shape)
+    rows = ["| server | completed | output tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | "
+            "TPOT p50 ms |", "|---|---|---|---|---|---|"]  # fmt: skip
+    results: dict[str, dict[str, Any]] = {}
+    model = str(model_dir)
+    for run in args.only.split(","):
+        out = args.out / f"{args.shape}-{run}.json"
+        if run == "one":
+            gpu0 = {"CUDA_VISIBLE_DEVICES": "0"}
+            gateways = args.gateways_per_gpu
+            with pagedserve_up(
+                model, args.out / "redis-one", gateways=gateways, env_extra=gpu0
+            ) as url:
+                results[run] = timed(url, model_dir, args.requests, out, [url])
+            rows.append(row("one GPU", results[run]))
+        elif run == "two":
+            up_args = ("--data-parallel-size", "2", f"--gateway-args=--routing {args.routing}")
+            gateways = 2 * args.gateways_per_gpu
+            with pagedserve_up(
+                model, args.out / "redis-two", gateways=gateways, up_args=up_args
+            ) as url:
+                results[run] = timed(url, model_dir, args.requests, out, [url])
+            rows.append(row(f"two GPUs, one endpoint (--routing {args.routing})", results[run]))
+        elif run == "pair":
+            with contextlib.ExitStack() as stack:
+                urls = [
+                    stack.enter_context(
+                        pagedserve_up(
+                            model,
+                            args.out / f"redis-pair{gpu}",
+                            gateways=args.gateways_per_gpu,
+                            env_extra={"CUDA_VISIBLE_DEVICES": str(gpu)},
+                        )
+                    )
+                    for gpu in (0, 1)
+                ]
+                front = stack.enter_context(proxy(urls))
+                results[run] = timed(front, model_dir, args.requests, out, urls)
+            rows.append(row("two one-GPU stacks + round-robin proxy", results[run]))
+    if "one" in results:
+        base = results["one"]["output_tok_s"]
+        for run, result in results.items():
+            print(f"{run}: {result['output_tok_s'] / base:.2f}x one GPU")
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,270 @@
+"""The daemon's handlers over the host's pools: one ``KVService`` per pool (GPU), and what spans
+them. Torch-free; called only from the daemon's single-threaded loop.
+
+- A worker registers with a pool (``Register.pool``); its calls go to that pool's service.
+- ``Route`` places a request on a pool (``kvstore.placement``) from what every pool holds and
+  runs now, and counts it as queued there until a worker of that pool admits it.
+- Before a pool's worker admits a request, the longest chain of its prompt's blocks that another
+  pool caches on its GPU tier and this pool does not is copied over, or left to be recomputed,
+  whichever the cost model prices lower (``--peer-copy``): the copy runs here, synchronised,
+  before the admission, which then hits the copied blocks like any cached prefix.
+- ``GetStats`` sums the pools and lists each (``PoolRow``).
+
+One prefix index per pool, exact: a request's entry in every pool is looked up, which is what an
+entry naming every pool that holds it would give. Each pool keeps its own CPU tier (a share of
+``--swap-memory``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from kvstore import protocol as p
+from kvstore.cost_model import LinearCost
+from kvstore.manager import KVCacheManager
+from kvstore.placement import PoolView, Prices, choose_pool
+from kvstore.prefix_index import LookupResult
+from kvstore.request_blocks import extend_hashes
+from kvstore.requests import Request, table_blocks
+from kvstore.service import KVService
+from kvstore.stats import merge_stats, pool_row
+
+log = logging.getLogger("pagedserve.kvstore")
+PeerCopyMode = Literal["auto", "always", "never"]
+Copier = Callable[[int, int, list[tuple[int, int]]], float]  # (src pool, dst pool, pairs) -> s
+ROUTED_TTL_S = 300.0  # a routed request no worker admitted in this long stops counting as queued
+PRIOR_PREFILL_S_PER_TOKEN = 1e-4  # before any worker of the host sent a prefill profile
+PRIOR_COPY = LinearCost(50e-6, 20e-6)  # before the daemon timed copies between its pools
+
+
+@dataclass(frozen=True)
+class _Routed:
+    pool: int
+    tokens: int  # the prefill it owes its pool
+    at: float
+
+
+class Host:
+    def __init__(
+        self,
+        services: list[KVService],
+        devices: list[str],
+        copier: Copier | None = None,
+        copy_price: LinearCost | None = None,
+        peer_copy: PeerCopyMode = "auto",
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not services or len(services) != len(devices):
+            raise ValueError("a host needs one service and one device name per pool")
+        self.services, self.devices, self.clock = services, devices, clock
+        self.copier, self.copy_price, self.peer_copy = copier, copy_price, peer_copy
+        self.started = clock()
+        self._pool_of: dict[str, int] = {}  # worker id -> its pool
+        self._routed: dict[str, _Routed] = {}
+        self._queued_tokens = [0] * len(services)
+        self._copied_in = [0] * len(services)
+        self._turn = 0  # requests routed round robin, a counter
+
+    @property
+    def managers(self) -> list[KVCacheManager]:
+        return [s.manager for s in self.services]
+
+    # ------------------------------------------------------------------ dispatch
+    def handle(self, body: p.Request) -> p.ReplyBody:
+        match body:
+            case p.Register():
+                return self._register(body)
+            case p.Step() | p.Heartbeat() | p.Unregister():
+                pool = self._pool_of.get(body.worker_id)
+                if pool is None:
+                    return p.Error("unknown_worker", f"worker {body.worker_id!r} must register")
+                if isinstance(body, p.Unregister):
+                    del self._pool_of[body.worker_id]
+                if not isinstance(body, p.Step):
+                    return self.services[pool].handle(body)
+                return self._step(pool, body)
+            case p.GetStats():
+                return self._stats(body)
+            case p.ResetCache():
+                replies = [s.handle(body) for s in self.services]
+                return p.CacheReset(sum(r.blocks for r in replies if isinstance(r, p.CacheReset)))
+            case p.Ping():
+                return p.Pong(self.clock() - self.started, len(self.services))
+            case p.GetBlockMap() | p.GetBlockInfo():
+                if not 0 <= body.pool < len(self.services):
+                    return p.Error("bad_message", self._no_pool(body.pool))
+                return self.services[body.pool].handle(body)
+            case p.Route():
+                return self.route(body)
+        return p.Error("bad_message", f"unhandled message {type(body).__name__}")
+
+    def between_calls(self) -> int:
+        return sum(s.between_calls() for s in self.services)
+
+    def tick(self) -> None:
+        for service in self.services:
+            service.tick()
+        now = self.clock()
+        for req_id in [r for r, routed in self._routed.items() if now - routed.at > ROUTED_TTL_S]:
+            self._admitted(req_id)
+
+    def _no_pool(self, pool: int) -> str:
+        n = len(self.services)
+        return f"pool {pool} is not one of this host's {n} (0 to {n - 1})"
+
+    def _register(self, body: p.Register) -> p.ReplyBody:
+        if not 0 <= body.pool < len(self.services):
+            return p.Error("bad_message", self._no_pool(body.pool))
+        old = self._pool_of.get(body.worker_id)
+        if old is not None and old != body.pool:  # it moved: its old pool's requests orphaned
+            self.services[old].handle(p.Unregister(body.worker_id))
+        self._pool_of[body.worker_id] = body.pool
+        return self.services[body.pool].handle(body)
+
+    # ------------------------------------------------------------------ routing
+    def route(self, body: p.Route) -> p.Routed:
+        return p.Routed([self._route_one(item, body.policy) for item in body.items])
+
+    def _route_one(self, item: p.RouteItem, policy: p.RoutingPolicy) -> p.RoutedItem:
+        keys, contents = self._chain(item.token_ids, item.salt)
+        managers = self.managers
+        hits = [m.index.lookup(keys, contents, len(item.token_ids), record=False) for m in managers]
+        views = [
+            PoolView(
+                i,
+                hit.gpu_run,
+                m.pool.num_available - m.watermark_blocks,
+                len(m.requests),
+                self._queued_tokens[i],
+                bool(self.services[i].leases.workers),
+            )
+            for i, (m, hit) in enumerate(zip(managers, hits, strict=True))
+        ]
+        block_size = managers[0].block_size
+        placed = choose_pool(
+            views, len(item.token_ids), block_size, self._prices(), policy, self._turn
+        )
+        self._turn += policy == "round_robin"
+        self._admitted(item.req_id)  # routed again (a retry): counted once
+        owed = len(item.token_ids) - placed.cached_tokens
+        self._routed[item.req_id] = _Routed(placed.pool, owed, self.clock())
+        self._queued_tokens[placed.pool] += owed
+        return p.RoutedItem(
+            placed.pool, placed.cached_tokens, placed.bring, placed.reason, list(placed.predicted_s)
+        )
+
+    def _admitted(self, req_id: str) -> None:
+        routed = self._routed.pop(req_id, None)
+        if routed is not None:
+            self._queued_tokens[routed.pool] -= routed.tokens
+
+    def _prices(self) -> Prices:
+        per_token = PRIOR_PREFILL_S_PER_TOKEN
+        for manager in self.managers:
+            profiles = manager.pricing.prefill_profiles.values()
+            points = [point for profile in profiles for point in profile if point[0] > 0]
+            if points:
+                tokens, seconds = max(points)
+                per_token = seconds / tokens
+                break
+        copy = self.copy_price or PRIOR_COPY
+        return Prices(per_token, copy.fixed_s, copy.per_unit_s)
+
+    def _chain(self, token_ids: list[int], salt: bytes | None) -> tuple[list[bytes], list[bytes]]:
+        request = Request("", "", salt, list(token_ids))
+        extend_hashes(request, self.managers[0].block_size)
+        return request.keys, request.contents
+
+    # ------------------------------------------------------------------ steps and copies
+    def _step(self, pool: int, body: p.Step) -> p.ReplyBody:
+        received: list[int] = []
+        for item in body.admits:
+            if not item.adopt and item.reuse_prefix and len(self.services) > 1:
+                received += self._bring(pool, body.worker_id, item)
+        reply = self.services[pool].handle(body)
+        self.managers[pool].pool.release(received)  # cached now: the admissions hold theirs
+        if isinstance(reply, p.StepReply):
+            for placed in reply.admitted:
+                self._admitted(placed.req_id)
+        return reply
+
+    def _bring(self, pool: int, worker: str, item: p.AdmitItem) -> list[int]:
+        """Copies into ``pool`` the blocks of ``item``'s prompt that another pool caches on its
+        GPU tier beyond what ``pool`` holds, if the cost model (or ``--peer-copy``) says so.
+        The received blocks, each held once (the caller releases them after the admission)."""
+        if self.peer_copy == "never" or self.copier is None:
+            return []
+        keys, contents = self._chain(item.token_ids, item.salt)
+        num_tokens = len(item.token_ids)
+        hits = [m.index.lookup(keys, contents, num_tokens, record=False) for m in self.managers]
+        here = hits[pool]
+        source = max(range(len(hits)), key=lambda i: (hits[i].gpu_run, i == pool, -i))
+        if source == pool or hits[source].gpu_run <= len(here.gpu):  # its tiers hold as much
+            return []
+        dst = self.managers[pool]
+        positions = missing_positions(here, hits[source].gpu_run)
+        room = dst.pool.num_available - dst.watermark_blocks
+        needed = table_blocks(num_tokens, dst.block_size) - here.gpu_run
+        if room < needed:
+            return []
+        bs = dst.block_size
+        choice = dst.pricing.peer_copy(
+            worker,
+            (self.copy_price or PRIOR_COPY).seconds(len(positions)),
+            (hits[source].gpu_run - here.gpu_run) * bs,
+            here.gpu_run * bs,
+            max(num_tokens - hits[source].gpu_run * bs, 0),
+            sum(r.worker == worker for r in dst.requests.values()),
+        )
+        if self.peer_copy == "always" and choice.mode != "copy":
+            choice = replace(choice, mode="copy", reason="--peer-copy always")
+        decision = dst.decisions.record(
+            item.req_id, self.clock(), len(positions), len(positions) * bs, choice, "peer"
+        )
+        if choice.mode != "copy":
+            return []
+        sources = [hits[source].gpu[i] for i in positions]  # all in its GPU run: not None
+        blocks = dst.store.receive(keys, contents, positions)
+        pairs = [(s, d) for s, d in zip(sources, blocks, strict=True) if s is not None]
+        assert len(pairs) == len(blocks)
+        seconds = self.copier(source, pool, pairs)
+        dst.decisions.add_actual(decision.id, seconds)
+        self._copied_in[pool] += len(blocks)
+        log.info(
+            "copied %d blocks of %s from pool %d to pool %d in %.2f ms (%s)",
+            len(blocks),
+            item.req_id,
+            source,
+            pool,
+            seconds * 1e3,
+            choice.reason,
+        )
+        return blocks
+
+    # ------------------------------------------------------------------ stats
+    def _stats(self, body: p.GetStats) -> p.ReplyBody:
+        replies = [s.handle(body) for s in self.services]
+        stats = [r for r in replies if isinstance(r, p.Stats)]
+        rows = [
+            pool_row(
+                i,
+                self.devices[i],
+                s.manager,
+                [w for w, pool in self._pool_of.items() if pool == i],
+                sum(r.pool == i for r in self._routed.values()),
+                self._queued_tokens[i],
+                self._copied_in[i],
+            )
+            for i, s in enumerate(self.services)
+        ]
+        return merge_stats(stats, rows, body.top_prefixes)
+
+
+def missing_positions(here: LookupResult, end: int) -> list[int]:
+    """The chain positions before ``end`` that no GPU block of this pool holds: from the first
+    gap of its GPU run on (positions past its lookup are not in its index at all)."""
+    return [i for i in range(here.gpu_run, end) if i >= len(here.gpu) or here.gpu[i] is None]

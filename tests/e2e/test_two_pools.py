@@ -1,0 +1,90 @@
+"""Two pools behind one gateway, on CPU: a kvstore with ``--data-parallel-size 2`` (two pools in
+/dev/shm), one worker per pool, real Redis and HTTP.
+
+Prompts A and B (200 tokens: 12 full blocks reusable) are first served through a second gateway
+that routes round robin, so A lands on pool 0 and B on pool 1. Through the stack's gateway
+(``--routing prefix``) each comes back to the pool that holds it: the response reports the 192
+cached tokens, the pool's own hit counter grows by as much and nothing is copied. Then B goes
+round robin to pool 0, which does not hold it: the daemon copies B's 12 blocks from pool 1 into
+pool 0 (``--peer-copy always``) and the answer is the one B's fresh prefill gave, token for token.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kvstore import protocol as p
+from kvstore.client import KVClient
+from tests.stack import Stack, running_stack
+
+PROMPT_TOKENS = 200
+CACHED = (PROMPT_TOKENS - 1) // 16 * 16  # the last token is always computed
+
+
+@pytest.fixture(scope="module")
+def two_pools(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    logs = tmp_path_factory.mktemp("two-pools")
+    with running_stack(
+        redis_url, logs, 6, "0.01GiB", kvstore_flags=["--peer-copy", "always"], pools=2
+    ) as stack:
+        yield stack
+
+
+def complete(url: str, prompt: list[int]) -> dict[str, Any]:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0, "logprobs": 0}
+    request = urllib.request.Request(
+        f"{url}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:  # raises on a 4xx/5xx
+        return json.loads(response.read())
+
+
+def tokens(answer: dict[str, Any]) -> list[str]:
+    return list(answer["choices"][0]["logprobs"]["tokens"])
+
+
+def cached(answer: dict[str, Any]) -> int:
+    return int(answer["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+def pools(stack: Stack) -> list[p.PoolRow]:
+    with KVClient(stack.endpoint) as client:
+        return client.call(p.GetStats()).pools
+
+
+def test_requests_land_on_the_pool_holding_their_prefix_and_a_copy_answers_alike(
+    two_pools: Stack,
+) -> None:
+    stack = two_pools
+    rng = random.Random(33)
+    a, b = ([rng.randrange(256) for _ in range(PROMPT_TOKENS)] for _ in range(2))
+    with stack.gateway("--routing", "round_robin") as round_robin:
+        fresh_a = complete(round_robin.url, a)  # pool 0
+        fresh_b = complete(round_robin.url, b)  # pool 1
+        assert cached(fresh_a) == cached(fresh_b) == 0
+        first = pools(stack)
+        assert [row.prefix_queried_tokens for row in first] == [PROMPT_TOKENS] * 2
+        assert [len(row.workers) for row in first] == [1, 1]
+
+        again_a, again_b = complete(stack.url, a), complete(stack.url, b)  # by prefix
+        assert cached(again_a) == cached(again_b) == CACHED
+        assert tokens(again_a) == tokens(fresh_a) and tokens(again_b) == tokens(fresh_b)
+        second = pools(stack)
+        assert [row.prefix_hit_tokens for row in second] == [CACHED, CACHED]
+        assert [row.copied_in_blocks for row in second] == [0, 0]
+
+        copied_b = complete(round_robin.url, b)  # round robin: pool 0, which lacks B
+    assert cached(copied_b) == CACHED
+    assert tokens(copied_b) == tokens(fresh_b)
+    third = pools(stack)
+    assert [row.copied_in_blocks for row in third] == [CACHED // 16, 0]
+    assert [row.prefix_hit_tokens for row in third] == [2 * CACHED, CACHED]
+    assert [row.running for row in third] == [0, 0]
