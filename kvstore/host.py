@@ -17,6 +17,7 @@ entry naming every pool that holds it would give. Each pool keeps its own CPU ti
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -130,6 +131,7 @@ class Host:
         return p.Routed([self._route_one(item, body.policy) for item in body.items])
 
     def _route_one(self, item: p.RouteItem, policy: p.RoutingPolicy) -> p.RoutedItem:
+        self._admitted(item.req_id)  # routed again (a retry): counted once, not where it was
         keys, contents = self._chain(item.token_ids, item.salt)
         managers = self.managers
         hits = [m.index.lookup(keys, contents, len(item.token_ids), record=False) for m in managers]
@@ -137,7 +139,7 @@ class Host:
             PoolView(
                 i,
                 hit.gpu_run,
-                m.pool.num_available - m.watermark_blocks,
+                m.pool.num_available - m.watermark_blocks - idle_hits(m, hit),
                 len(m.requests),
                 self._queued_tokens[i],
                 bool(self.services[i].leases.workers),
@@ -149,7 +151,6 @@ class Host:
             views, len(item.token_ids), block_size, self._prices(), policy, self._turn
         )
         self._turn += policy == "round_robin"
-        self._admitted(item.req_id)  # routed again (a retry): counted once
         owed = len(item.token_ids) - placed.cached_tokens
         self._routed[item.req_id] = _Routed(placed.pool, owed, self.clock())
         self._queued_tokens[placed.pool] += owed
@@ -181,12 +182,10 @@ class Host:
 
     # ------------------------------------------------------------------ steps and copies
     def _step(self, pool: int, body: p.Step) -> p.ReplyBody:
-        received: list[int] = []
-        for item in body.admits:
-            if not item.adopt and item.reuse_prefix and len(self.services) > 1:
-                received += self._bring(pool, body.worker_id, item)
-        reply = self.services[pool].handle(body)
-        self.managers[pool].pool.release(received)  # cached now: the admissions hold theirs
+        bring = None
+        if len(self.services) > 1:
+            bring = functools.partial(self._bring, pool, body.worker_id)
+        reply = self.services[pool].handle(body, bring)
         if isinstance(reply, p.StepReply):
             for placed in reply.admitted:
                 self._admitted(placed.req_id)
@@ -194,8 +193,10 @@ class Host:
 
     def _bring(self, pool: int, worker: str, item: p.AdmitItem) -> list[int]:
         """Copies into ``pool`` the blocks of ``item``'s prompt that another pool caches on its
-        GPU tier beyond what ``pool`` holds, if the cost model (or ``--peer-copy``) says so.
-        The received blocks, each held once (the caller releases them after the admission)."""
+        GPU tier beyond what ``pool`` holds, if the cost model (or ``--peer-copy``) says so:
+        called by the pool's service right before the admission (the step's frees and appends
+        ran). The blocks it holds once each, which the service releases after the admission:
+        those received and the pool's own blocks of the chain, kept from eviction meanwhile."""
         if self.peer_copy == "never" or self.copier is None:
             return []
         keys, contents = self._chain(item.token_ids, item.salt)
@@ -205,11 +206,13 @@ class Host:
         source = max(range(len(hits)), key=lambda i: (hits[i].gpu_run, i == pool, -i))
         if source == pool or hits[source].gpu_run <= len(here.gpu):  # its tiers hold as much
             return []
-        dst = self.managers[pool]
-        positions = missing_positions(here, hits[source].gpu_run)
-        room = dst.pool.num_available - dst.watermark_blocks
-        needed = table_blocks(num_tokens, dst.block_size) - here.gpu_run
-        if room < needed:
+        dst, end = self.managers[pool], hits[source].gpu_run
+        entries = [dst.index.entry(key) for key in keys[:end]]
+        own = [e.block for e in entries if e is not None and e.block is not None]
+        positions = [i for i, e in enumerate(entries) if e is None or e.block is None]
+        idle_own = sum(dst.pool.ref_counts[b] == 0 for b in own)
+        room = dst.pool.num_available - idle_own - dst.watermark_blocks
+        if room < table_blocks(num_tokens, dst.block_size) - len(own):
             return []
         bs = dst.block_size
         choice = dst.pricing.peer_copy(
@@ -227,8 +230,11 @@ class Host:
         )
         if choice.mode != "copy":
             return []
+        for block in own:  # not evicted by the blocks received
+            dst.pool.ref(block)
         sources = [hits[source].gpu[i] for i in positions]  # all in its GPU run: not None
         blocks = dst.store.receive(keys, contents, positions)
+        self.services[pool].run_pending()  # what receiving evicted is demoted before the copy
         pairs = [(s, d) for s, d in zip(sources, blocks, strict=True) if s is not None]
         assert len(pairs) == len(blocks)
         seconds = self.copier(source, pool, pairs)
@@ -243,7 +249,7 @@ class Host:
             seconds * 1e3,
             choice.reason,
         )
-        return blocks
+        return own + blocks
 
     # ------------------------------------------------------------------ stats
     def _stats(self, body: p.GetStats) -> p.ReplyBody:
@@ -264,7 +270,7 @@ class Host:
         return merge_stats(stats, rows, body.top_prefixes)
 
 
-def missing_positions(here: LookupResult, end: int) -> list[int]:
-    """The chain positions before ``end`` that no GPU block of this pool holds: from the first
-    gap of its GPU run on (positions past its lookup are not in its index at all)."""
-    return [i for i in range(here.gpu_run, end) if i >= len(here.gpu) or here.gpu[i] is None]
+def idle_hits(m: KVCacheManager, hit: LookupResult) -> int:
+    """The blocks of ``hit``'s GPU run that no request holds: counted free by the pool, but
+    an admission of the request takes them, it does not allocate them."""
+    return sum(m.pool.ref_counts[b] == 0 for b in hit.gpu[: hit.gpu_run] if b is not None)

@@ -7,6 +7,7 @@ single-threaded loop, so the manager is never touched concurrently.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -23,6 +24,9 @@ log = logging.getLogger("pagedserve.kvstore")
 # of 64 blocks, 128 MiB of the 8B shape's, held the next Step ~2 ms: BENCHMARKS-archive.md,
 # ninth pass)
 WRITE_BACK_BYTES = 8 << 20
+
+
+PrepareAdmit = Callable[[p.AdmitItem], list[int]]
 
 
 class Mover(Protocol):
@@ -51,13 +55,16 @@ class KVService:
         self._pool_info = mover.export()
 
     # ------------------------------------------------------------------ dispatch
-    def handle(self, body: p.Request) -> p.ReplyBody:
+    def handle(self, body: p.Request, prepare_admit: PrepareAdmit | None = None) -> p.ReplyBody:
+        """``prepare_admit``: called before each admission of a ``Step`` that reuses prefixes,
+        returns blocks it holds once each, released once the admission ran (the ``Host``'s
+        copies from other pools)."""
         now = self.clock()
         match body:
             case p.Step():
                 if not self.leases.touch(body.worker_id, now):
                     return p.Error("unknown_worker", f"worker {body.worker_id!r} must register")
-                reply = self.step(body, now)
+                reply = self.step(body, now, prepare_admit)
                 self.leases.touch(body.worker_id, self.clock())
                 if body.timeline is not None:
                     self.leases.workers[body.worker_id].timeline = body.timeline
@@ -136,8 +143,11 @@ class KVService:
             log.warning("reclaimed %d orphaned requests: %s", len(reclaimed), reclaimed[:8])
 
     # ------------------------------------------------------------------ the per-step call
-    def step(self, body: p.Step, now: float) -> p.StepReply:
+    def step(
+        self, body: p.Step, now: float, prepare_admit: PrepareAdmit | None = None
+    ) -> p.StepReply:
         m, worker, reply = self.manager, body.worker_id, p.StepReply()
+        admit = functools.partial(self._admit, prepare=prepare_admit)
         for cost in body.costs:
             self._each(reply, "cost", cost.req_id, m.record_recompute, cost.req_id, cost.seconds)
         m.copied(body.copied)  # before appends: the blocks they complete may join the index
@@ -158,7 +168,7 @@ class KVService:
         placements: list[tuple[str, p.ItemOp, Callable[..., None], object]] = [
             (r, "resume", self._resume, r) for r in body.resumes
         ]
-        placements += [(item.req_id, "admit", self._admit, item) for item in body.admits]
+        placements += [(item.req_id, "admit", admit, item) for item in body.admits]
         blocked = False  # first come, first served: nothing is placed past a refusal for space
         for req_id, op, place, arg in placements:
             if blocked:
@@ -220,17 +230,33 @@ class KVService:
     def _fork(self, parent: str, child: str, worker: str, reply: p.StepReply) -> None:
         reply.forked.append(placed(self.manager.fork(parent, worker, child)))
 
-    def _admit(self, item: p.AdmitItem, worker: str, reply: p.StepReply, now: float) -> None:
+    def _admit(
+        self,
+        item: p.AdmitItem,
+        worker: str,
+        reply: p.StepReply,
+        now: float,
+        prepare: PrepareAdmit | None = None,
+    ) -> None:
         if item.adopt:
             placement, plan = self.manager.adopt(
                 item.req_id, worker, item.token_ids, item.reuse_prefix
             )
             self._run(plan)
         else:
-            placement = self.manager.admit(
-                item.req_id, worker, item.token_ids, item.salt, item.reuse_prefix, now
-            )
+            held = prepare(item) if prepare is not None and item.reuse_prefix else []
+            try:
+                placement = self.manager.admit(
+                    item.req_id, worker, item.token_ids, item.salt, item.reuse_prefix, now
+                )
+            finally:
+                self.manager.pool.release(held)
         reply.admitted.append(placed(placement))
+
+    def run_pending(self) -> None:
+        """Runs the manager's queued demotions and loads now (before their GPU blocks are
+        written by anything else, as a copy from another pool would)."""
+        self._run(TransferPlan())
 
     def _preempt(self, req_id: str, worker: str, now: float, reply: p.StepReply) -> None:
         (mode,), plan = self.manager.preempt([req_id], worker, now)

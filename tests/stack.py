@@ -177,6 +177,19 @@ def running_stack(
 
 
 # ---------------------------------------------------------------- raw HTTP helpers
+def post_completion(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    """``POST {url}/v1/completions`` of ``body``, its JSON answer (raises
+    urllib.error.HTTPError on a 4xx/5xx)."""
+    request = urllib.request.Request(
+        f"{url}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        answer: dict[str, Any] = json.loads(response.read())
+        return answer
+
+
 @dataclass
 class Streamed:
     """A completions stream, read to its end."""

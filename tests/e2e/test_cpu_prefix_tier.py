@@ -11,7 +11,6 @@ microseconds, their prefill milliseconds), and the response reports 96 cached to
 
 from __future__ import annotations
 
-import json
 import random
 import urllib.request
 from collections.abc import Iterator
@@ -21,7 +20,7 @@ import pytest
 
 from kvstore import protocol as p
 from kvstore.client import KVClient
-from tests.stack import Stack, running_stack
+from tests.stack import Stack, post_completion, running_stack
 
 BLOCK_BYTES = 8192  # the tiny model, fp32
 POOL_BLOCKS = 24
@@ -36,13 +35,7 @@ def small_pool_stack(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -
 
 def complete(stack: Stack, prompt: list[int]) -> dict[str, Any]:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0}
-    request = urllib.request.Request(
-        f"{stack.url}/v1/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(request, timeout=120) as response:  # raises on a 4xx/5xx
-        return json.loads(response.read())
+    return post_completion(stack.url, body)
 
 
 def kv_stats(stack: Stack) -> p.Stats:

@@ -11,9 +11,7 @@ pool 0 (``--peer-copy always``) and the answer is the one B's fresh prefill gave
 
 from __future__ import annotations
 
-import json
 import random
-import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,7 +19,7 @@ import pytest
 
 from kvstore import protocol as p
 from kvstore.client import KVClient
-from tests.stack import Stack, running_stack
+from tests.stack import Stack, post_completion, running_stack
 
 PROMPT_TOKENS = 200
 CACHED = (PROMPT_TOKENS - 1) // 16 * 16  # the last token is always computed
@@ -38,13 +36,7 @@ def two_pools(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 def complete(url: str, prompt: list[int]) -> dict[str, Any]:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0, "logprobs": 0}
-    request = urllib.request.Request(
-        f"{url}/v1/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(request, timeout=120) as response:  # raises on a 4xx/5xx
-        return json.loads(response.read())
+    return post_completion(url, body)
 
 
 def tokens(answer: dict[str, Any]) -> list[str]:

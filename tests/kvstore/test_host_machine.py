@@ -15,11 +15,12 @@ its slots; the host's queue per pool is the requests routed there and not yet ad
 At an admission the test looks up the prompt in every pool first and knows what the host must
 do: copy exactly the chain positions that the destination lacks and the longest GPU run of
 another pool holds (``always``; ``auto`` as priced; ``never`` never), and then the admission hits
-exactly that run.
+exactly that run and what the destination holds after it.
 
-Two defects of ``Host._bring`` (kvstore/host.py) are tolerated where (and only where) their exact
-signature is seen, while ``KNOWN_*`` below are True; the exact tests at the end reproduce them as
-strict xfails. Set a flag False once its defect is fixed: the machine then asserts it too."""
+This machine found three defects of ``Host._bring`` (kvstore/host.py), since fixed; the exact
+tests at the end reproduce each: a copy run before the demotions its own allocation queued, a
+copy that evicted the destination's own prefix, a copy of a key the destination held past its
+lookup."""
 
 from __future__ import annotations
 
@@ -40,22 +41,7 @@ from kvstore.request_blocks import extend_hashes
 from kvstore.requests import Request, Status, table_blocks
 from kvstore.service import KVService
 
-# The peer copy runs before the demotions its own allocation queued (``store.pending``): a cached
-# block evicted by ``BlockStore.receive`` and demoted at eviction is overwritten by the copy
-# before its bytes are saved to the CPU tier, which then holds the copied bytes under the
-# evicted key.
-KNOWN_DEMOTION_AFTER_PEER_COPY = True
-# ``_bring``'s room check counts the destination's own idle cached prefix blocks (in the LRU) as
-# room, and ``receive`` may evict them: the copy then breaks the very prefix it extends (the
-# admission hits less than the copied run, or is refused for space it had without the copy).
-KNOWN_COPY_EVICTS_OWN_PREFIX = True
-# ``missing_positions`` (kvstore/host.py) takes every position past the destination's lookup as
-# missing, but the lookup stops at the first missing key and the index may hold later ones:
-# ``BlockStore.receive`` then fails its assertion (a key another GPU block holds), the worker's
-# whole step is lost and the blocks it allocated leak (ref 1, no holder). The machine does not
-# send such an admission while this is True.
-KNOWN_RECEIVE_OF_A_HELD_KEY = True
-
+POLICIES: list[p.RoutingPolicy] = ["prefix", "prefix", "least_loaded", "round_robin"]
 Slot = tuple[bytes | None, tuple[int, ...]] | None  # (salt, the prefix ending at the token)
 
 
@@ -72,15 +58,12 @@ def chain(tokens: list[int], salt: bytes | None, bs: int) -> tuple[list[bytes], 
 
 class Shadow:
     """The bytes of every pool: ``gpu[pool][block]`` and ``cpu[pool][block]``, one ``Slot`` a
-    token. ``stash``: the bytes a demotion must save from a GPU block that a peer copy
-    overwrote first (``KNOWN_DEMOTION_AFTER_PEER_COPY``)."""
+    token."""
 
     def __init__(self, pools: int, gpu: int, cpu: int, bs: int) -> None:
         self.gpu: list[list[list[Slot]]] = [[[None] * bs for _ in range(gpu)] for _ in range(pools)]
         self.cpu: list[list[list[Slot]]] = [[[None] * bs for _ in range(cpu)] for _ in range(pools)]
-        self.stash: dict[tuple[int, int], list[Slot]] = {}
         self.swapped_in: set[tuple[int, int]] = set()  # (pool, GPU block) this step
-        self.stashed_demotions = 0
 
 
 class ShadowMover:
@@ -94,8 +77,7 @@ class ShadowMover:
     def swap_out(self, pairs: list[tuple[int, int]]) -> float:
         s = self.shadow
         for g, c in pairs:
-            stashed = s.stash.pop((self.pool, g), None)
-            s.cpu[self.pool][c] = list(stashed if stashed is not None else s.gpu[self.pool][g])
+            s.cpu[self.pool][c] = list(s.gpu[self.pool][g])
         return 1e-5
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> float:
@@ -139,11 +121,6 @@ class Admission:
         """What a copy brings: the positions of the best run no GPU block here holds."""
         return [i for i in range(self.here.gpu_run, self.best) if self.held[i] is None]
 
-    def held_past_lookup(self) -> bool:
-        """A position of the best run past the destination's lookup that one of its GPU blocks
-        holds (``KNOWN_RECEIVE_OF_A_HELD_KEY``)."""
-        return any(self.held[i] is not None for i in range(len(self.here.gpu), self.best))
-
     def after(self, start: int) -> tuple[int, int]:
         """The chain the destination holds from ``start`` on: (on its GPU, in either tier)."""
         gpu = start
@@ -186,7 +163,9 @@ class HostMachine(RuleBasedStateMachine):
         for i in range(pools):
             m = KVCacheManager(gpu, cpu, bs, cpu_prefix_cache=tier)
             if calibrated:
-                m.pricing.calibration = SwapCalibration(64, LinearCost(0, 1e-6), LinearCost(0, 1e-6))
+                m.pricing.calibration = SwapCalibration(
+                    64, LinearCost(0, 1e-6), LinearCost(0, 1e-6)
+                )
             mover = ShadowMover(self.shadow, i, bs)
             services.append(KVService(m, mover, 60, 60, self.clock, write_back_ahead=4))
         self.host = Host(
@@ -209,7 +188,6 @@ class HostMachine(RuleBasedStateMachine):
         self.chains: dict[bytes, tuple[bytes | None, list[int]]] = {}  # key -> its prefix
         self.admission: Admission | None = None
         self.next_id = 0
-        self.copied_blocks = 0  # how many peer copies the run made (for a look at coverage)
 
     # -------------------------------------------------------------- the devices
     def clock(self) -> float:
@@ -231,17 +209,12 @@ class HostMachine(RuleBasedStateMachine):
             assert self.shadow.gpu[src][s] == self.expected(key), f"source block {s} bytes"
             got.append(key)
         assert sorted(got) == expected, "the copy is not the destination's missing positions"
-        pending = {g for g, _ in m_dst.store.pending.swap_out}
         for s, d in pairs:
-            if d in pending and KNOWN_DEMOTION_AFTER_PEER_COPY:
-                self.shadow.stash[(dst, d)] = list(self.shadow.gpu[dst][d])
-                self.shadow.stashed_demotions += 1
             self.shadow.gpu[dst][d] = list(self.shadow.gpu[src][s])
         for i, block in enumerate(a.held):
             if block is not None and m_dst.index.key_of_block(block) != a.keys[i]:
                 a.own_evicted = True
         a.copies.append((src, dst, list(pairs)))
-        self.copied_blocks += len(pairs)
         return 1e-5
 
     def expected(self, key: bytes) -> list[Slot]:
@@ -292,9 +265,9 @@ class HostMachine(RuleBasedStateMachine):
         m = self.host.managers[pool]
         for i, block in enumerate(placed.block_ids):
             fresh = m.pool.ref_counts[block] == 1 and not m.pool.cached[block]
-            if i * self.bs >= placed.num_computed and fresh:
-                if (pool, block) not in self.shadow.swapped_in:
-                    self.shadow.gpu[pool][block] = [None] * self.bs
+            loaded = (pool, block) in self.shadow.swapped_in
+            if i * self.bs >= placed.num_computed and fresh and not loaded:
+                self.shadow.gpu[pool][block] = [None] * self.bs
         self._check_computed(pool, placed.req_id)
 
     def _check_computed(self, pool: int, req_id: str) -> None:
@@ -346,7 +319,7 @@ class HostMachine(RuleBasedStateMachine):
         salt = data.draw(st.sampled_from([None, None, None, b"s"]), label="salt")
         return (prefix + suffix) or [0], salt
 
-    @rule(data=st.data(), policy=st.sampled_from(["prefix", "prefix", "least_loaded", "round_robin"]))
+    @rule(data=st.data(), policy=st.sampled_from(POLICIES))
     def route(self, data: st.DataObject, policy: p.RoutingPolicy) -> None:
         tokens, salt = self.prompt(data)
         req_id = self._new_id()
@@ -368,6 +341,8 @@ class HostMachine(RuleBasedStateMachine):
         cached, consistent = expected[item.bring]
         assert consistent and item.cached_tokens == cached, (item, runs)
         assert len(item.predicted_s) == (0 if policy == "round_robin" else len(runs))
+        if policy != "round_robin" and any(self.alive):
+            assert self.alive[item.pool], "routed to a pool without a live worker"
         self.routed[req_id] = (item.pool, len(tokens) - item.cached_tokens)
         self.waiting[req_id] = (tokens, salt)
 
@@ -378,7 +353,8 @@ class HostMachine(RuleBasedStateMachine):
     @rule(data=st.data(), reuse=st.sampled_from([True, True, True, False]))
     def admit(self, data: st.DataObject, reuse: bool) -> None:
         """A worker admits a routed request (mostly on its pool) or a fresh prompt."""
-        if self.waiting and data.draw(st.booleans(), label="routed"):
+        routed = data.draw(st.booleans(), label="routed") if self.waiting else False
+        if routed:
             req_id = data.draw(st.sampled_from(sorted(self.waiting)), label="req")
             tokens, salt = self.waiting[req_id]
             pool = self.routed[req_id][0]
@@ -424,10 +400,6 @@ class HostMachine(RuleBasedStateMachine):
         held = [e.block if e is not None else None for e in entries]
         present = [e is not None for e in entries]
         a = Admission(pool, keys, hits, held, present, room, idle_own, needed)
-        copyable = reuse and a.best > len(here.gpu) and room >= needed and self.MODE != "never"
-        if KNOWN_RECEIVE_OF_A_HELD_KEY and copyable and a.held_past_lookup():
-            event("skipped: a copy would receive a key the destination holds")
-            return False
         self.admission = a
         try:
             item = p.AdmitItem(req_id, tokens, salt, reuse_prefix=reuse)
@@ -438,9 +410,8 @@ class HostMachine(RuleBasedStateMachine):
         for _, _, pairs in a.copies:  # held by the request or cached, never free
             for _, d in pairs:
                 assert m.pool.ref_counts[d] > 0 or m.pool.cached[d], f"received {d} is free"
-        event("admission: " + ("copied" if a.copies else "no copy") + (", refused" if reply.errors else ""))
-        if a.own_evicted:
-            event("a copy evicted the destination's own prefix")
+        event(f"admission: {'copied' if a.copies else 'no copy'}{', refused' * bool(reply.errors)}")
+        assert not a.own_evicted, "a copy evicted the destination's own prefix"
         return not reply.errors
 
     def _check_admission(self, a: Admission, reuse: bool, reply: p.StepReply) -> None:
@@ -450,11 +421,10 @@ class HostMachine(RuleBasedStateMachine):
             assert copyable and a.room >= a.needed and len(a.copies) == 1
         elif self.MODE == "always" and copyable:  # only for want of room
             assert a.room - a.idle_own < a.needed, "no copy, though --peer-copy always"
-        bug = KNOWN_COPY_EVICTS_OWN_PREFIX and (a.own_evicted or a.room - a.idle_own < a.needed)
         if reply.errors:
             [error] = reply.errors
             assert error.code == "no_space", error
-            assert not a.copies or bug, "a copy made for an admission that had no room"
+            assert not a.copies, "a copy made for an admission that had no room"
             return
         [placed] = reply.admitted
         assert placed.num_computed == placed.num_cached_tokens and placed.num_computed % bs == 0
@@ -463,7 +433,7 @@ class HostMachine(RuleBasedStateMachine):
             assert computed == 0
         elif a.copies:  # the copied run, and what the destination holds after it
             gpu, either = a.after(a.best)
-            assert computed in (gpu, either) or (bug and computed < gpu), (placed, a)
+            assert computed in (gpu, either), (placed, a)
         else:  # its GPU run, or with the chain going on in the CPU tier, loaded
             assert computed in (here.gpu_run, len(here.gpu)), (placed, a)
 
@@ -602,7 +572,7 @@ class HostMachine(RuleBasedStateMachine):
 
 
 settings_ = settings(
-    max_examples=800,
+    max_examples=100,
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
@@ -699,9 +669,6 @@ def test_a_demotion_saves_a_block_evicted_by_a_peer_copy() -> None:
     assert set(demoted) == set(keys)  # both blocks of [9] * 8 live on in the CPU tier
     assert h.shadow.cpu[1][demoted[keys[1]]] == [slot(None, nines, i) for i in range(4, 8)]
     saved = h.shadow.cpu[1][demoted[keys[0]]]
-    if saved == [slot(None, [1] * 5, i) for i in range(4)] and KNOWN_DEMOTION_AFTER_PEER_COPY:
-        pytest.xfail("kvstore/host.py _bring: the copier runs before store.pending's demotions")
-    assert not KNOWN_DEMOTION_AFTER_PEER_COPY, "fixed: set KNOWN_DEMOTION_AFTER_PEER_COPY False"
     assert saved == [slot(None, nines, i) for i in range(4)]
 
 
@@ -723,10 +690,7 @@ def test_a_peer_copy_keeps_the_destinations_own_prefix(mode: PeerCopyMode) -> No
         assert not h.copies and [a.num_computed for a in reply.admitted] == [4]
         return
     assert [(src, dst, len(pairs)) for src, dst, pairs in h.copies] == [(0, 1, 1)]
-    if reply.errors and KNOWN_COPY_EVICTS_OWN_PREFIX:
-        assert m.index.key_of_block(0) != chain([1] * 4, None, 4)[0][0]  # evicted
-        pytest.xfail("kvstore/host.py _bring: receive evicted block 0, the prefix it extends")
-    assert not KNOWN_COPY_EVICTS_OWN_PREFIX, "fixed: set KNOWN_COPY_EVICTS_OWN_PREFIX False"
+    assert m.index.key_of_block(0) == chain([1] * 4, None, 4)[0][0]  # not evicted
     assert [a.num_computed for a in reply.admitted] == [8]
 
 
@@ -744,12 +708,6 @@ def test_a_peer_copy_of_a_chain_whose_later_blocks_the_destination_holds() -> No
     assert m.index.key_of_block(1) == keys[1] and keys[0] not in m.index
     h.serve(0, "a", x)
     h.copies.clear()
-    try:
-        reply = h.admit(1, "b", x)
-    except AssertionError as err:
-        if not KNOWN_RECEIVE_OF_A_HELD_KEY or "could not take key" not in str(err):
-            raise
-        pytest.xfail("kvstore/host.py missing_positions: receives a key pool 1 holds")
-    assert not KNOWN_RECEIVE_OF_A_HELD_KEY, "fixed: set KNOWN_RECEIVE_OF_A_HELD_KEY False"
+    reply = h.admit(1, "b", x)
     assert [(src, dst, len(pairs)) for src, dst, pairs in h.copies] == [(0, 1, 1)]
     assert [a.num_computed for a in reply.admitted] == [8]
