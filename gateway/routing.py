@@ -59,14 +59,16 @@ class Routes:
             try:
                 routed = await self.kv.call(p.Route(items, self.policy))
                 pools = [item.pool for item in routed.items]
-            except (KVStoreTimeout, KVStoreError) as err:
+                if len(pools) != len(batch):
+                    raise ValueError(f"{len(pools)} routes for {len(batch)} requests")
+            except (KVStoreTimeout, KVStoreError, ValueError) as err:
                 pools = [self._next_unrouted() for _ in batch]
                 log.warning(
                     "the kvstore did not route %d requests (%s): pools in turn", len(batch), err
                 )
             for (_, future), pool in zip(batch, pools, strict=True):
                 if not future.done():  # its client may have gone
-                    future.set_result(pool % self.pools)
+                    future.set_result(pool)
 
     def _next_unrouted(self) -> int:
         self._unrouted += 1

@@ -30,7 +30,7 @@ from kvstore.manager import KVCacheManager
 from kvstore.placement import PoolView, Prices, choose_pool
 from kvstore.prefix_index import LookupResult
 from kvstore.request_blocks import extend_hashes
-from kvstore.requests import Request, table_blocks
+from kvstore.requests import KVError, Request, table_blocks
 from kvstore.service import KVService
 from kvstore.stats import merge_stats, pool_row
 
@@ -233,7 +233,11 @@ class Host:
         for block in own:  # not evicted by the blocks received
             dst.pool.ref(block)
         sources = [hits[source].gpu[i] for i in positions]  # all in its GPU run: not None
-        blocks = dst.store.receive(keys, contents, positions)
+        try:
+            blocks = dst.store.receive(keys, contents, positions)
+        except KVError:  # no room after all (the check above should have said so)
+            dst.pool.release(own)
+            raise
         self.services[pool].run_pending()  # what receiving evicted is demoted before the copy
         pairs = [(s, d) for s, d in zip(sources, blocks, strict=True) if s is not None]
         assert len(pairs) == len(blocks)
