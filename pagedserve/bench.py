@@ -33,9 +33,8 @@ from typing import Any
 
 import aiohttp
 
-from contracts.heap import tune_gc_for_serving
 from pagedserve.bench_config import BenchConfig
-from pagedserve.bench_report import Result, report, summarize
+from pagedserve.bench_report import Result
 from pagedserve.bench_workloads import (
     WORKLOADS,
     TextMaker,
@@ -172,7 +171,7 @@ async def run_requests(config: BenchConfig, groups: list[list[Turn]]) -> tuple[l
 
         def done(result: Result) -> None:
             finished.append(result)
-            progress.update(finished, client.now())
+            progress.update(len(finished), sum(r.output_tokens for r in finished), client.now())
 
         tasks = []
         for group in groups:
@@ -193,11 +192,10 @@ class Progress:
         self.tty = sys.stderr.isatty()
         self._next = 0.1
 
-    def update(self, finished: list[Result], elapsed: float) -> None:
+    def update(self, done: int, tokens: int, elapsed: float) -> None:
+        """``done`` requests finished, ``tokens`` output tokens, ``elapsed`` seconds in."""
         if not self.enabled:
             return
-        done = len(finished)
-        tokens = sum(r.output_tokens for r in finished)
         rate = tokens / max(elapsed, 1e-9)
         line = f"{done}/{self.total} requests, {elapsed:.1f} s, {rate:.0f} out tok/s"
         if self.tty:
@@ -231,25 +229,6 @@ def requests_of(config: BenchConfig) -> list[list[Turn]]:
         prefix_zipf=parse_popularity(config.prefix_popularity),
     )
     return with_schemas(groups, config.guided_fraction, config.seed)
-
-
-def run(config: BenchConfig) -> dict[str, Any]:
-    """``pagedserve bench``: sends the workload, prints the report; the summary."""
-    try:
-        groups = requests_of(config)
-    except (ValueError, OSError) as err:
-        raise SystemExit(f"pagedserve bench: {err}") from None
-    tune_gc_for_serving()  # a full collection's pause would count as the server's latency
-    try:
-        results, duration = asyncio.run(run_requests(config, groups))
-    except aiohttp.ClientError as err:
-        raise SystemExit(f"pagedserve bench: {config.base_url}: {err}") from None
-    summary = summarize(config, results, duration)
-    print(report(summary), flush=True)
-    if config.result_json:
-        with open(config.result_json, "w") as f:
-            json.dump(summary, f, indent=1)
-    return summary
 
 
 def _workload(name: str) -> Workload:

@@ -81,3 +81,11 @@ class BenchConfig:
     api_key: str = flag("", "bearer token (default: $OPENAI_API_KEY)")
     result_json: str = flag("", "write every figure to this file")
     progress: bool = flag(True, "a progress line on stderr")
+    processes: int = flag(
+        1,
+        "client OS processes sending the requests (one Python client may be the bottleneck at "
+        "tens of thousands of streamed tokens/s): the same seeded requests dealt round-robin "
+        "(request i to process i mod N), all starting at one moment, arrivals on the one "
+        "--request-rate schedule, --max-concurrency shared out (total unchanged, so at most "
+        "that many processes); one report, as if one client had sent them",
+    )

@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
 
         run_gateway(config(GatewayConfig))
     elif args.command == "bench":
-        from pagedserve.bench import run as run_bench
+        from pagedserve.bench_run import run as run_bench
 
         run_bench(config(BenchConfig))
     elif args.command == "convert":
