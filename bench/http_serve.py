@@ -90,6 +90,7 @@ def bench(
     ignore_eos: bool,
     seed: int = 0,
     guided: float | None = None,
+    processes: int = 1,
 ) -> dict[str, Any]:
     """One run of the client, with the GPU's clock and power sampled beside it (``gpu``).
     ``guided``: that fraction of the requests asks for JSON of a random schema; prompts are
@@ -102,6 +103,7 @@ def bench(
     else:
         flags += ["--guided-fraction", str(guided), "--input-len", "16:256"]
     flags += ["--output-len", "32:512", "--ignore-eos" if ignore_eos else "--no-ignore-eos"]
+    flags += ["--processes", str(processes)]  # client processes (``pagedserve bench``)
     with GpuMonitor() as gpu:
         result = client(url, flags, out)
     result["gpu"] = gpu.summary()

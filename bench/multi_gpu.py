@@ -89,14 +89,21 @@ def proxy(upstreams: list[str]) -> Iterator[str]:
 
 
 def timed(
-    url: str, model_dir: Path, requests: int, out: Path, admin_urls: list[str]
+    url: str,
+    model_dir: Path,
+    requests: int,
+    out: Path,
+    admin_urls: list[str],
+    processes: int = 1,
 ) -> dict[str, Any]:
     """Warm-up, then the timed run; the workers' step timelines over it (``admin_urls``: the
     stacks' own URLs, whose admin API the token of ``pagedserve_up`` opens)."""
     warm_up(url, model_dir.name, model_dir, out, ignore_eos=True)
     before = [timelines(u) for u in admin_urls]
     cpu_before, start = cpu_seconds(), time.monotonic()
-    result = bench(url, model_dir.name, model_dir, requests, out, ignore_eos=True)
+    result = bench(
+        url, model_dir.name, model_dir, requests, out, ignore_eos=True, processes=processes
+    )
     wall, cpu_after = time.monotonic() - start, cpu_seconds()
     busy = {k: (v - cpu_before.get(k, 0.0)) / wall for k, v in sorted(cpu_after.items())}
     print(
@@ -127,6 +134,13 @@ def main() -> None:
         default=4,
         help="gateway processes per GPU of each stack (one gateway streams ~20-30k tok/s)",
     )
+    parser.add_argument(
+        "--client-processes",
+        type=int,
+        default=1,
+        help="`pagedserve bench --processes`: client processes sending the same requests "
+        "(one may not keep up with two GPUs of the 1B shape)",
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     model_dir = checkpoint(args.out / f"model-{args.shape}", args.shape)
@@ -142,7 +156,9 @@ def main() -> None:
             with pagedserve_up(
                 model, args.out / "redis-one", gateways=gateways, env_extra=gpu0
             ) as url:
-                results[run] = timed(url, model_dir, args.requests, out, [url])
+                results[run] = timed(
+                    url, model_dir, args.requests, out, [url], args.client_processes
+                )
             rows.append(row("one GPU", results[run]))
         elif run == "two":
             up_args = ("--data-parallel-size", "2", f"--gateway-args=--routing {args.routing}")
@@ -150,7 +166,9 @@ def main() -> None:
             with pagedserve_up(
                 model, args.out / "redis-two", gateways=gateways, up_args=up_args
             ) as url:
-                results[run] = timed(url, model_dir, args.requests, out, [url])
+                results[run] = timed(
+                    url, model_dir, args.requests, out, [url], args.client_processes
+                )
             rows.append(row(f"two GPUs, one endpoint (--routing {args.routing})", results[run]))
         elif run == "pair":
             with contextlib.ExitStack() as stack:
@@ -166,7 +184,9 @@ def main() -> None:
                     for gpu in (0, 1)
                 ]
                 front = stack.enter_context(proxy(urls))
-                results[run] = timed(front, model_dir, args.requests, out, urls)
+                results[run] = timed(
+                    front, model_dir, args.requests, out, urls, args.client_processes
+                )
             rows.append(row("two one-GPU stacks + round-robin proxy", results[run]))
     if "one" in results:
         base = results["one"]["output_tok_s"]
