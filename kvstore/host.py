@@ -67,7 +67,6 @@ class Host:
         self._pool_of: dict[str, int] = {}  # worker id -> its pool
         self._routed: dict[str, _Routed] = {}
         self._queued_tokens = [0] * len(services)
-        self._copied_in = [0] * len(services)
         self._turn = 0  # requests routed round robin, a counter
 
     @property
@@ -243,7 +242,6 @@ class Host:
         assert len(pairs) == len(blocks)
         seconds = self.copier(source, pool, pairs)
         dst.decisions.add_actual(decision.id, seconds)
-        self._copied_in[pool] += len(blocks)
         log.info(
             "copied %d blocks of %s from pool %d to pool %d in %.2f ms (%s)",
             len(blocks),
@@ -267,7 +265,6 @@ class Host:
                 [w for w, pool in self._pool_of.items() if pool == i],
                 sum(r.pool == i for r in self._routed.values()),
                 self._queued_tokens[i],
-                self._copied_in[i],
             )
             for i, s in enumerate(self.services)
         ]

@@ -98,9 +98,9 @@ def pool_row(
     workers: list[str],
     queued: int,
     queued_tokens: int,
-    copied_in_blocks: int,
 ) -> p.PoolRow:
-    """One pool's line of the host's stats (``Host`` counts what was routed and copied)."""
+    """One pool's line of the host's stats (``Host`` counts what was routed; the blocks copied
+    in are its store's ``received``)."""
     gpu = m.pool
     return p.PoolRow(
         pool,
@@ -112,7 +112,7 @@ def pool_row(
         queued_tokens,
         m.index.queried_tokens,
         m.index.hit_tokens,
-        copied_in_blocks,
+        m.store.counts["received"],
     )
 
 
