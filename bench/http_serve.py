@@ -91,8 +91,10 @@ def bench(
     seed: int = 0,
     guided: float | None = None,
     processes: int = 1,
+    workload: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """One run of the client, with the GPU's clock and power sampled beside it (``gpu``).
+    ``workload``: more flags of ``pagedserve bench`` (another workload), which win over these.
     ``guided``: that fraction of the requests asks for JSON of a random schema; prompts are
     16-256 words then (about 100-1500 tokens of the byte-level tokenizer, whose text would not
     re-encode to the drawn token ids)."""
@@ -104,6 +106,7 @@ def bench(
         flags += ["--guided-fraction", str(guided), "--input-len", "16:256"]
     flags += ["--output-len", "32:512", "--ignore-eos" if ignore_eos else "--no-ignore-eos"]
     flags += ["--processes", str(processes)]  # client processes (``pagedserve bench``)
+    flags += workload  # argparse: the last of a repeated flag wins
     with GpuMonitor() as gpu:
         result = client(url, flags, out)
     result["gpu"] = gpu.summary()

@@ -95,6 +95,7 @@ def timed(
     out: Path,
     admin_urls: list[str],
     processes: int = 1,
+    workload: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """Warm-up, then the timed run; the workers' step timelines over it (``admin_urls``: the
     stacks' own URLs, whose admin API the token of ``pagedserve_up`` opens)."""
@@ -102,7 +103,14 @@ def timed(
     before = [timelines(u) for u in admin_urls]
     cpu_before, start = cpu_seconds(), time.monotonic()
     result = bench(
-        url, model_dir.name, model_dir, requests, out, ignore_eos=True, processes=processes
+        url,
+        model_dir.name,
+        model_dir,
+        requests,
+        out,
+        ignore_eos=True,
+        processes=processes,
+        workload=workload,
     )
     wall, cpu_after = time.monotonic() - start, cpu_seconds()
     busy = {k: (v - cpu_before.get(k, 0.0)) / wall for k, v in sorted(cpu_after.items())}
@@ -117,17 +125,80 @@ def timed(
     return result
 
 
+def workload_flags(args: argparse.Namespace) -> tuple[str, ...]:
+    """The ``pagedserve bench`` flags of ``--workload`` (none: the random burst)."""
+    if args.workload == "tenants":
+        return (
+            "--workload", "shared-prefix", "--num-prefixes", str(args.prefixes),
+            "--prefix-len", args.prefix_len, "--prefix-popularity", f"zipf:{args.zipf}",
+            "--input-len", "64:512", "--output-len", args.output_len,
+            "--request-rate", str(args.rate),
+        )  # fmt: skip
+    if args.workload == "conversations":
+        return (
+            "--workload", "multi-turn", "--conversations", str(args.requests // args.turns),
+            "--turns", str(args.turns), "--first-prompt-len", args.prefix_len,
+            "--turn-prompt-len", "64:512", "--output-len", args.output_len,
+            "--request-rate", str(args.rate),
+        )  # fmt: skip
+    return ()
+
+
+def ideal_hit_rate(args: argparse.Namespace, model_dir: Path) -> float:
+    """The tenants workload's prefix-hit rate with a pool holding every prefix (one GPU with
+    room for everything), estimated: every use of a prefix after its first hits its whole
+    blocks (the chat template's few tokens left out), over the prompts' tokens."""
+    from contracts.tokenizer import load_tokenizer
+    from pagedserve.bench import requests_of
+    from pagedserve.bench_config import BenchConfig
+    from pagedserve.bench_workloads import prefix_picks
+
+    config = BenchConfig(
+        workload="shared-prefix", num_requests=args.requests, input_len="64:512",
+        output_len=args.output_len, prefix_len=args.prefix_len, num_prefixes=args.prefixes,
+        prefix_popularity=f"zipf:{args.zipf}", tokenizer=str(model_dir),
+    )  # fmt: skip
+    prompts = [group[0].text for group in requests_of(config)]
+    picks = prefix_picks(args.requests, args.prefixes, args.zipf, config.seed)
+    tokenizer = load_tokenizer(str(model_dir))
+    hits = 0
+    for prefix in set(picks):
+        uses = [prompts[i] for i, p in enumerate(picks) if p == prefix]
+        if len(uses) > 1:
+            common = os.path.commonprefix(uses)  # noqa: RUF071 (text, not paths)
+            shared = len(tokenizer.encode(common, add_special_tokens=False))
+            hits += (len(uses) - 1) * (shared // 16 * 16)
+    total = sum(len(tokenizer.encode(p, add_special_tokens=False)) for p in prompts)
+    return hits / max(total, 1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=["1b", "8b"], default="1b")
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--out", type=Path, default=Path("/tmp/pagedserve-multi-gpu"))
     parser.add_argument(
-        "--routing", default="prefix", help="the two-GPU gateway's --routing (prefix, ...)"
+        "--routing", default="prefix", help="the two-GPU gateway's --routing for run `two`"
     )
     parser.add_argument(
-        "--only", default="one,two,pair", help="which runs, in order: one, two, pair"
+        "--only",
+        default="one,two,pair",
+        help="which runs, in order: one, two (or two:POLICY, e.g. two:round_robin), pair",
     )
+    parser.add_argument(
+        "--workload",
+        choices=["random", "tenants", "conversations"],
+        default="random",
+        help="random: the burst; tenants: --prefixes system prompts of --prefix-len tokens, "
+        "Zipf --zipf popularity, 64-512-token questions, Poisson --rate; conversations: "
+        "--requests/--turns multi-turn conversations opening with --prefix-len tokens",
+    )
+    parser.add_argument("--prefixes", type=int, default=256)
+    parser.add_argument("--prefix-len", default="2048:6144")
+    parser.add_argument("--zipf", type=float, default=0.8)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--output-len", default="32:128")
+    parser.add_argument("--rate", type=float, default=30.0, help="requests (conversations) / s")
     parser.add_argument(
         "--gateways-per-gpu",
         type=int,
@@ -144,32 +215,33 @@ def main() -> None:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     model_dir = checkpoint(args.out / f"model-{args.shape}", args.shape)
+    flags = workload_flags(args)
     rows = ["| server | completed | output tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | "
-            "TPOT p50 ms |", "|---|---|---|---|---|---|"]  # fmt: skip
+            "TPOT p50 ms | prefix hit |", "|---|---|---|---|---|---|---|"]  # fmt: skip
     results: dict[str, dict[str, Any]] = {}
     model = str(model_dir)
+
+    def run_on(url: str, out: Path, admin_urls: list[str]) -> dict[str, Any]:
+        return timed(url, model_dir, args.requests, out, admin_urls, args.client_processes, flags)
+
     for run in args.only.split(","):
-        out = args.out / f"{args.shape}-{run}.json"
+        out = args.out / f"{args.shape}-{args.workload}-{run.replace(':', '-')}.json"
         if run == "one":
             gpu0 = {"CUDA_VISIBLE_DEVICES": "0"}
-            gateways = args.gateways_per_gpu
             with pagedserve_up(
-                model, args.out / "redis-one", gateways=gateways, env_extra=gpu0
+                model, args.out / "redis-one", gateways=args.gateways_per_gpu, env_extra=gpu0
             ) as url:
-                results[run] = timed(
-                    url, model_dir, args.requests, out, [url], args.client_processes
-                )
-            rows.append(row("one GPU", results[run]))
-        elif run == "two":
-            up_args = ("--data-parallel-size", "2", f"--gateway-args=--routing {args.routing}")
+                results[run] = run_on(url, out, [url])
+            name = "one GPU"
+        elif run.startswith("two"):
+            routing = run.partition(":")[2] or args.routing
+            up_args = ("--data-parallel-size", "2", f"--gateway-args=--routing {routing}")
             gateways = 2 * args.gateways_per_gpu
             with pagedserve_up(
                 model, args.out / "redis-two", gateways=gateways, up_args=up_args
             ) as url:
-                results[run] = timed(
-                    url, model_dir, args.requests, out, [url], args.client_processes
-                )
-            rows.append(row(f"two GPUs, one endpoint (--routing {args.routing})", results[run]))
+                results[run] = run_on(url, out, [url])
+            name = f"two GPUs, one endpoint (--routing {routing})"
         elif run == "pair":
             with contextlib.ExitStack() as stack:
                 urls = [
@@ -183,15 +255,21 @@ def main() -> None:
                     )
                     for gpu in (0, 1)
                 ]
-                front = stack.enter_context(proxy(urls))
-                results[run] = timed(
-                    front, model_dir, args.requests, out, urls, args.client_processes
-                )
-            rows.append(row("two one-GPU stacks + round-robin proxy", results[run]))
-    if "one" in results:
-        base = results["one"]["output_tok_s"]
-        for run, result in results.items():
-            print(f"{run}: {result['output_tok_s'] / base:.2f}x one GPU")
+                results[run] = run_on(stack.enter_context(proxy(urls)), out, urls)
+            name = "two one-GPU stacks + round-robin proxy"
+        else:
+            raise SystemExit(f"--only: unknown run {run!r}")
+        rows.append(row(name, results[run]) + f" {results[run]['cached_fraction']:.3f} |")
+    for base_run in ("one", "two:round_robin"):
+        if base_run in results:
+            base = results[base_run]
+            for run, result in results.items():
+                ratio = result["output_tok_s"] / base["output_tok_s"]
+                ttft = base["ttft_ms"]["p99"] / max(result["ttft_ms"]["p99"], 1e-9)
+                print(f"{run}: {ratio:.2f}x {base_run}'s tok/s; TTFT p99 {ttft:.2f}x lower")
+    if args.workload == "tenants":
+        ideal = ideal_hit_rate(args, model_dir)
+        print(f"prefix hit rate with a pool holding every prefix (estimate): {ideal:.3f}")
     print("\n".join(rows))
 
 

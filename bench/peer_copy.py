@@ -1,12 +1,14 @@
 """Copies of scattered KV blocks from one GPU's pool to another's, as the kvstore runs them
-(``kvstore.device.copy_between``: gather into the source's staging buffer, one peer copy,
-scatter), against one contiguous 256 MiB peer copy, the link's ceiling in the same process.
+(``kvstore.peer_copy.PeerCopier``), by each route: ``push`` (one kernel on the source writing
+the peer's pool), ``pull`` (one kernel on the destination reading it) and ``staged`` (gather into
+the source's staging buffer, one peer copy, scatter), against one contiguous 256 MiB peer copy,
+the link's ceiling in the same process.
 
 Both pools are ``DevicePools`` of the 1B (0.5 MiB blocks) or 8B (2 MiB blocks) shape, 4096
 blocks each; block ids drawn at random (as a pool's allocator hands them out after a while).
 The median of 5 timed copies after a warm-up.
 
-    python bench/peer_copy.py --shape 8b [--sizes 1,4,16,64,256,1024]
+    python bench/peer_copy.py --shape 8b [--sizes 1,4,16,64,256,1024] [--routes push,pull,staged]
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from contracts.model_config import KVGeometry  # noqa: E402
-from kvstore.device import DevicePools, calibrate_copies, copy_between  # noqa: E402
+from kvstore.device import DevicePools  # noqa: E402
+from kvstore.peer_copy import CopyRoute, PeerCopier, random_pairs  # noqa: E402
 
 GEOMETRY = {
     "1b": KVGeometry(16, 8, 64, "bfloat16"),
@@ -50,29 +53,33 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(GEOMETRY), default="8b")
     parser.add_argument("--sizes", default="1,4,16,64,256,1024")
     parser.add_argument("--blocks", type=int, default=4096)
+    parser.add_argument("--routes", default="push,pull,staged")
     args = parser.parse_args()
     geometry = GEOMETRY[args.shape]
     src = DevicePools(geometry, 16, args.blocks, 0, "cuda:0")
     dst = DevicePools(geometry, 16, args.blocks, 0, "cuda:1")
+    copier = PeerCopier([src, dst])
+    src.pool.view(torch.int16).random_()  # random bits: every copy is checked bit for bit
     ceiling = contiguous_gbps(src.device, dst.device)
     print(f"contiguous 256 MiB peer copy cuda:0 -> cuda:1: {ceiling:.0f} GB/s")
-    gen = torch.Generator().manual_seed(0)
-    print("| blocks | MiB | ms | GB/s | of the 256 MiB copy |\n|---|---|---|---|---|")
-    for n in (int(x) for x in args.sizes.split(",")):
-        pairs = list(
-            zip(
-                torch.randperm(args.blocks, generator=gen)[:n].tolist(),
-                torch.randperm(args.blocks, generator=gen)[:n].tolist(),
-                strict=True,
+    print("| route | blocks | MiB | ms | GB/s | of the 256 MiB copy |\n|---|---|---|---|---|---|")
+    routes: list[CopyRoute] = [r for r in ("push", "pull", "staged") if r in args.routes]
+    for route in routes:
+        gen = torch.Generator().manual_seed(0)
+        for n in (int(x) for x in args.sizes.split(",")):
+            pairs = random_pairs(args.blocks, args.blocks, n, gen)
+            copier.copy(0, 1, pairs, route)
+            seconds = statistics.median(copier.copy(0, 1, pairs, route) for _ in range(5))
+            want = src.pool[[s for s, _ in pairs]].view(torch.int16).to(dst.device)
+            assert torch.equal(dst.pool[[d for _, d in pairs]].view(torch.int16), want), route
+            gbps = n * src.block_bytes / seconds / 1e9
+            mib = n * src.block_bytes / 2**20
+            print(
+                f"| {route} | {n} | {mib:.1f} | {seconds * 1e3:.3f} | {gbps:.0f} "
+                f"| {gbps / ceiling:.2f} |"
             )
-        )
-        copy_between(src, dst, pairs)
-        seconds = statistics.median(copy_between(src, dst, pairs) for _ in range(5))
-        gbps = n * src.block_bytes / seconds / 1e9
-        mib = n * src.block_bytes / 2**20
-        print(f"| {n} | {mib:.1f} | {seconds * 1e3:.3f} | {gbps:.0f} | {gbps / ceiling:.2f} |")
-    price = calibrate_copies(src, dst)
-    print(f"the kvstore's calibration: {price}")
+    price = copier.calibrate()
+    print(f"the kvstore's calibration: route {copier.route}, {price}")
 
 
 if __name__ == "__main__":

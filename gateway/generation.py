@@ -124,10 +124,11 @@ class Generation:
     gateway_id: str = ""  # whose liveness key the workers check (RequestRecord.gateway)
     deadline: float | None = None  # time.monotonic() past which it ends (GenerationError)
     keepalive_s: float | None = None  # deltas() yields [] after this long without a record
-    # the request stream of the pool each record goes to (one pool: ``pagedserve:requests``)
-    stream_for: Callable[[RequestRecord], Awaitable[str]] | None = None
+    # the pool each record goes to (its stream: ``queue_keys.request_stream``); None: pool 0
+    pool_for: Callable[[RequestRecord], Awaitable[int]] | None = None
     arrival: float = field(default_factory=time.monotonic)
     prompts: list[_Prompt] = field(default_factory=list)
+    pools: list[int] = field(default_factory=list)  # each prompt's, once submitted
     _first_token: bool = False
     _closed: bool = False
     _inbox: asyncio.Queue[tuple[int, OutputRecord | Exception]] = field(
@@ -159,9 +160,11 @@ class Generation:
             )
             for prompt in self.prompts
         ]
-        streams = [queue_keys.REQUEST_STREAM] * len(records)
-        if self.stream_for is not None:
-            streams = [await self.stream_for(rec) for rec in records]
+        if self.pool_for is not None:
+            self.pools = [await self.pool_for(rec) for rec in records]
+        else:
+            self.pools = [0] * len(records)
+        streams = [queue_keys.request_stream(pool) for pool in self.pools]
         submits = [
             queue_gateway.submit(self.r, rec, stream)
             for rec, stream in zip(records, streams, strict=True)

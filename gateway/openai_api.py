@@ -43,6 +43,7 @@ from gateway.state import STATE, AppState
 log = logging.getLogger("pagedserve.gateway")
 
 _encode = msgspec.json.Encoder().encode
+POOL_HEADER = "X-PagedServe-Pool"
 KEEPALIVE = b": keep-alive\n\n"  # an SSE comment: clients ignore it, proxies see bytes
 SSE_HEADERS = {
     "Content-Type": "text/event-stream",
@@ -130,7 +131,7 @@ async def _serve(
         gateway_id=state.gateway_id,
         deadline=time.monotonic() + timeout_s if timeout_s else None,
         keepalive_s=keepalive_s,
-        stream_for=state.routes.stream_for,
+        pool_for=state.routes.pool_for,
     )
     try:
         with state.in_flight(gen):
@@ -168,11 +169,18 @@ async def _complete(gen: Generation, fmt: _Format) -> web.Response:
             choice["logprobs"] = fmt.logprobs(i, logprobs[i])
     body = fmt.envelope(gen.request_id, gen.model.name, choices, stream=False)
     body["usage"] = gen.usage().as_dict()
-    return web.Response(body=_encode(body), content_type="application/json")
+    return web.Response(
+        body=_encode(body), content_type="application/json", headers=_pool_header(gen)
+    )
+
+
+def _pool_header(gen: Generation) -> dict[str, str]:
+    """Which pool (GPU) of the host serves each prompt: for operators and benchmarks."""
+    return {POOL_HEADER: ",".join(str(pool) for pool in gen.pools)}
 
 
 async def _stream(request: web.Request, gen: Generation, fmt: _Format) -> web.StreamResponse:
-    response = web.StreamResponse(headers=SSE_HEADERS)
+    response = web.StreamResponse(headers={**SSE_HEADERS, **_pool_header(gen)})
     await response.prepare(request)
     include_usage = gen.request.include_usage
     created = int(time.time())

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from contracts import queue_keys
 from contracts.records import RequestRecord
 from gateway.kvclient import AsyncKVClient, KVStoreError, KVStoreTimeout
 from kvstore import protocol as p
@@ -39,15 +38,15 @@ class Routes:
         self._sender: asyncio.Task[None] | None = None
         self._unrouted = 0  # requests the kvstore did not route (it was away), a counter
 
-    async def stream_for(self, record: RequestRecord) -> str:
-        """The request stream ``record`` goes to (one pool: ``pagedserve:requests``)."""
+    async def pool_for(self, record: RequestRecord) -> int:
+        """The pool ``record`` goes to (its stream: ``queue_keys.request_stream``)."""
         if self.pools == 1:
-            return queue_keys.REQUEST_STREAM
+            return 0
         future = asyncio.get_running_loop().create_future()
         self._waiting.append((record, future))
         if self._sender is None or self._sender.done():
             self._sender = asyncio.create_task(self._send(), name="route")
-        return queue_keys.request_stream(await future)
+        return await future
 
     async def _send(self) -> None:
         while self._waiting:

@@ -12,6 +12,7 @@ from typing import Any
 _LAUNCHERS = {
     "store_kv": "kernels.cache_ops",
     "copy_blocks": "kernels.cache_ops",
+    "copy_blocks_between": "kernels.cache_ops",
     "paged_decode": "kernels.decode",
     "choose_num_splits": "kernels.decode",
     "compile_variants": "kernels.decode",
@@ -27,6 +28,7 @@ __all__ = [
     "choose_num_splits",
     "compile_variants",
     "copy_blocks",
+    "copy_blocks_between",
     "paged_decode",
     "paged_prefill",
     "prefill_tile_tokens",

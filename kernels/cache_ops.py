@@ -1,4 +1,5 @@
-"""Cache writes: ``store_kv`` (scatter new K/V into slots) and ``copy_blocks`` (copy-on-write)."""
+"""Cache writes: ``store_kv`` (scatter new K/V into slots) and ``copy_blocks`` (copy-on-write), and
+``copy_blocks_between`` (blocks from one GPU's pool into another's)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from kernels._checks import (
 )
 from kernels._tl_utils import jit
 
-__all__ = ["copy_blocks", "store_kv"]
+__all__ = ["copy_blocks", "copy_blocks_between", "store_kv"]
 
 
 @jit(varying=("stride_kt", "stride_vt"))
@@ -108,21 +109,26 @@ def store_kv(
 
 @jit
 def _copy_blocks_kernel(
-    pool_ptr: tl.tensor,
+    src_pool_ptr: tl.tensor,
+    dst_pool_ptr: tl.tensor,
     src_ptr: tl.tensor,
     dst_ptr: tl.tensor,
-    stride_block: tl.tensor,
+    src_stride_block: tl.tensor,
+    dst_stride_block: tl.tensor,
     BLOCK_NUMEL: tl.constexpr,
     CHUNK: tl.constexpr,
 ) -> None:
-    """One program per (pair, chunk of CHUNK elements of a block)."""
+    """One program per (pair, chunk of CHUNK elements of a block); the pools may be one."""
     i = tl.program_id(0)
     src = tl.load(src_ptr + i).to(tl.int64)
     dst = tl.load(dst_ptr + i).to(tl.int64)
     idx = tl.program_id(1).to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
     mask = idx < BLOCK_NUMEL
-    x = tl.load(pool_ptr + src * stride_block + idx, mask=mask)
-    tl.store(pool_ptr + dst * stride_block + idx, x, mask=mask)
+    x = tl.load(src_pool_ptr + src * src_stride_block + idx, mask=mask)
+    tl.store(dst_pool_ptr + dst * dst_stride_block + idx, x, mask=mask)
+
+
+POOL_DIMS = "[num_blocks, num_layers, 2, block_size, kv_heads, head_dim]"
 
 
 def copy_blocks(pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -133,24 +139,71 @@ def copy_blocks(pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> Non
     checked (values, no device sync): ids below num_blocks, no dst repeated or in src
     (copy-on-write targets are fresh blocks); otherwise the result depends on program order.
     """
-    dims = "[num_blocks, num_layers, 2, block_size, kv_heads, head_dim]"
-    check_tensor("pool", pool, dims, (None,) * 6, CACHE_DTYPES)
+    check_tensor("pool", pool, POOL_DIMS, (None,) * 6, CACHE_DTYPES)
     check_dense("pool", pool, 1, "contiguous within a block")
     device = pool.device
     check_index("src", src, "[N]", None, torch.int64, device, "pool")
     check_index("dst", dst, "[N] (src's length)", src.shape[0], torch.int64, device, "pool")
-    block_numel = math.prod(pool.shape[1:])
+    _launch_copies(pool, pool, src, dst, chunk=8192, num_warps=4)
+
+
+def copy_blocks_between(
+    src_pool: torch.Tensor, dst_pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor
+) -> None:
+    """dst_pool[dst[i]] = src_pool[src[i]] for every i, the pools on two devices of one process
+    (a GPU to another over NVLink, each reading or writing the other's memory directly): whole
+    blocks, one kernel, no staging.
+
+    src_pool, dst_pool: [num_blocks, num_layers, 2, block_size, kv_heads, head_dim] of one dtype
+    and block shape (any number of blocks), each block contiguous; src, dst: [N] int64,
+    contiguous, both on the device that runs the copy: ``src_pool``'s (it writes the peer's
+    memory) or ``dst_pool``'s (it reads it). The kernel runs on that device's current stream;
+    the caller orders it after the writes of the source blocks and before any read of the
+    destination's, on both devices. The devices must have peer access to each other (enabled by
+    the caller, e.g. by a first peer ``copy_``). Not checked (values): ids in range, no dst
+    repeated.
+    """
+    src_pool = check_tensor("src_pool", src_pool, POOL_DIMS, (None,) * 6, CACHE_DTYPES)
+    check_dense("src_pool", src_pool, 1, "contiguous within a block")
+    block_shape = (None, *src_pool.shape[1:])
+    dtypes = (src_pool.dtype,)
+    dst_pool = check_tensor(
+        "dst_pool", dst_pool, POOL_DIMS, block_shape, dtypes, None, "", "src_pool"
+    )
+    check_dense("dst_pool", dst_pool, 1, "contiguous within a block")
+    device = src.device if isinstance(src, torch.Tensor) else src_pool.device
+    if device not in (src_pool.device, dst_pool.device):
+        raise ValueError(
+            f"src must be on src_pool's device {src_pool.device} or dst_pool's {dst_pool.device}"
+            f", got {device}"
+        )
+    check_index("src", src, "[N]", None, torch.int64, device, "the copying pool")
+    check_index("dst", dst, "[N] (src's length)", src.shape[0], torch.int64, device, "src")
+    _launch_copies(src_pool, dst_pool, src, dst, chunk=16384, num_warps=8)
+
+
+def _launch_copies(
+    src_pool: torch.Tensor,
+    dst_pool: torch.Tensor,
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    chunk: int,
+    num_warps: int,
+) -> None:
+    block_numel = math.prod(src_pool.shape[1:])
     n = src.shape[0]
     if n == 0:
         return
-    chunk = min(next_pow2(block_numel), 8192)
+    chunk = min(next_pow2(block_numel), chunk)
     grid = (n, cdiv(block_numel, chunk))
     _copy_blocks_kernel[grid](
-        pool,
+        src_pool,
+        dst_pool,
         src,
         dst,
-        pool.stride(0),
+        src_pool.stride(0),
+        dst_pool.stride(0),
         BLOCK_NUMEL=block_numel,
         CHUNK=chunk,
-        num_warps=4,
+        num_warps=num_warps,
     )

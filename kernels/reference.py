@@ -3,7 +3,8 @@
 One per launcher, covering its Triton kernels: ``paged_decode_reference`` (``_decode_kernel`` and
 its split-K ``_reduce_kernel``), ``paged_prefill_reference`` (``_prefill_kernel``),
 ``store_kv_reference`` (``_store_kv_kernel``), ``copy_blocks_reference``
-(``_copy_blocks_kernel``), ``rms_norm_reference``, ``rotary_store_reference`` and
+(``_copy_blocks_kernel``), ``copy_blocks_between_reference`` (the same kernel across two pools),
+``rms_norm_reference``, ``rotary_store_reference`` and
 ``silu_mul_reference`` (``kernels.layer_ops``). ``gather_kv`` is their shared helper, not an oracle.
 
 Every function here computes in fp32, returns the input dtype, and never mutates its inputs
@@ -23,6 +24,7 @@ from __future__ import annotations
 import torch
 
 __all__ = [
+    "copy_blocks_between_reference",
     "copy_blocks_reference",
     "gather_kv",
     "paged_decode_reference",
@@ -170,6 +172,17 @@ def copy_blocks_reference(pool: torch.Tensor, src: torch.Tensor, dst: torch.Tens
     """
     out = pool.clone()
     out[dst.long()] = pool[src.long()]
+    return out
+
+
+def copy_blocks_between_reference(
+    src_pool: torch.Tensor, dst_pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor
+) -> torch.Tensor:
+    """New ``dst_pool`` with dst_pool[dst[i]] = src_pool[src[i]] (every layer, K and V); the
+    pools may be on two devices. src_pool, dst_pool: [*, num_layers, 2, block_size, kv_heads, D].
+    """
+    out = dst_pool.clone()
+    out[dst.long().to(out.device)] = src_pool[src.long().to(src_pool.device)].to(out.device)
     return out
 
 

@@ -1,5 +1,5 @@
-"""The only kvstore module that touches torch: the pool tensors, their export, swap copies and
-copies between the host's pools.
+"""The pool tensors, their export and swap copies (with ``kvstore/peer_copy.py``, the kvstore's
+only torch code).
 
 Layout (block-major): ``pool: [num_blocks, num_layers, 2 (K, V), block_size, num_kv_heads,
 head_dim]``. Why: a block (every layer's K and V) is one contiguous run of 0.5 MiB
@@ -12,10 +12,7 @@ Swap-out gathers the GPU blocks into a staging buffer on the device (``index_sel
 copies it to the pinned CPU pool in one transfer per run of consecutive CPU ids; swap-in mirrors
 it. All on the daemon's own CUDA stream, synchronised before the daemon replies.
 
-A copy between two pools of the host (``copy_between``: GPU to GPU over NVLink, or between two
-``/dev/shm`` pools) gathers the source blocks into the source's staging buffer, copies it to the
-destination's staging buffer in one transfer (a peer copy between GPUs) and scatters it there:
-at most one staging buffer's worth per round, never one copy per block.
+Copies between two pools of the host (GPU to GPU over NVLink) are ``kvstore/peer_copy.py``'s.
 
 On CPU the pool is ``/dev/shm/pagedserve-kv-<pid>-<random>``, mode 0600 (workers run as the
 daemon's user), flock-ed by its daemon for its life. A SIGKILLed daemon leaves it behind: the next
@@ -37,7 +34,7 @@ from contextlib import nullcontext
 import torch
 
 from contracts.model_config import KVGeometry
-from kvstore.cost_model import LinearCost, SwapCalibration, fit_linear
+from kvstore.cost_model import SwapCalibration, fit_linear
 from kvstore.mapping import map_shm, pool_shape, torch_dtype
 from kvstore.protocol import CudaIpcHandle, PoolInfo
 
@@ -242,88 +239,6 @@ class DevicePools:
             fit_linear([(n, inn) for n, _, inn in samples]),
             samples,
         )
-
-
-def copy_between(src: DevicePools, dst: DevicePools, pairs: list[tuple[int, int]]) -> float:
-    """Copies ``src``'s blocks into ``dst``'s (``(src block, dst block)`` pairs); returns
-    seconds, synchronised. Both pools have the same geometry. Rounds of half a staging buffer,
-    double-buffered: the gather of a round runs while the round before crosses the link."""
-    start = time.perf_counter()
-    if not pairs:
-        return 0.0
-    cuda = src.device.type == "cuda"
-    src_rows, dst_rows = block_rows(src.pool), block_rows(dst.pool)
-    src_halves = (
-        block_rows(src.staging).chunk(2) if len(src.staging) > 1 else [block_rows(src.staging)]
-    )
-    dst_halves = (
-        block_rows(dst.staging).chunk(2) if len(dst.staging) > 1 else [block_rows(dst.staging)]
-    )
-    chunk = min(len(src_halves[-1]), len(dst_halves[-1]))
-    read: list[torch.cuda.Event | None] = [None] * len(src_halves)  # a half's last peer copy
-    for k, lo in enumerate(range(0, len(pairs), chunk)):
-        part, half = pairs[lo : lo + chunk], k % len(src_halves)
-        gathered, received = src_halves[half][: len(part)], dst_halves[half][: len(part)]
-        with torch.cuda.stream(src.stream) if cuda else nullcontext():  # ids made on it too
-            src_ids = torch.tensor([s for s, _ in part], device=src.device)
-            last_read = read[half]
-            if last_read is not None:
-                src.stream.wait_event(last_read)
-            torch.index_select(src_rows, 0, src_ids, out=gathered)
-            done = torch.cuda.Event() if cuda else None
-            if done is not None:
-                done.record(src.stream)
-        with torch.cuda.stream(dst.stream) if cuda else nullcontext():
-            dst_ids = torch.tensor([d for _, d in part], device=dst.device)
-            if done is not None:
-                dst.stream.wait_event(done)
-            received.copy_(gathered, non_blocking=True)
-            if cuda:
-                read[half] = event = torch.cuda.Event()
-                event.record(dst.stream)
-            dst_rows.index_copy_(0, dst_ids, received)
-    if cuda:
-        dst.stream.synchronize()
-    return time.perf_counter() - start
-
-
-def block_rows(pool: torch.Tensor) -> torch.Tensor:
-    """``pool`` as one row of 8-byte words per block (a block's bytes are a multiple of 8):
-    gathers and scatters move 4x fewer elements than in bf16."""
-    return pool.view(pool.shape[0], -1).view(torch.int64)
-
-
-def calibrate_copies(
-    src: DevicePools, dst: DevicePools, sizes: tuple[int, ...] = (1, 16, 64, 256), repeats: int = 3
-) -> LinearCost | None:
-    """Times ``copy_between`` of ``sizes`` scattered blocks (median of ``repeats``, after a
-    warm-up) and fits ``fixed + n * per_block``; None if the pools are too small to try."""
-    blocks = min(src.pool.shape[0], dst.pool.shape[0])
-    sizes = tuple(n for n in sizes if n <= blocks)
-    if not sizes:
-        return None
-    gen = torch.Generator().manual_seed(1)
-    samples: list[tuple[float, float]] = []
-    for n in sizes:
-        pairs = list(
-            zip(
-                torch.randperm(blocks, generator=gen)[:n].tolist(),
-                torch.randperm(blocks, generator=gen)[:n].tolist(),
-                strict=True,
-            )
-        )
-        copy_between(src, dst, pairs)
-        seconds = sorted(copy_between(src, dst, pairs) for _ in range(repeats))[repeats // 2]
-        samples.append((n, seconds))
-        log.info(
-            "calibrating copies %s -> %s: %d blocks %.3f ms (%.1f GB/s)",
-            src.device,
-            dst.device,
-            n,
-            seconds * 1e3,
-            n * src.block_bytes / seconds / 1e9,
-        )
-    return fit_linear(samples)
 
 
 def create_shm_file(path: str, nbytes: int) -> int:

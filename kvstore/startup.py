@@ -31,24 +31,21 @@ def build_host(config: KVStoreConfig) -> tuple[Host, list[DevicePools]]:
     """Removes dead daemons' pool files, allocates each pool (the slow part: progress is logged),
     times copies between them, and wires one service per pool under one ``Host``. Raises
     ValueError on a flag that makes no sense (memory sizes, dtype, pool count)."""
-    from kvstore.device import calibrate_copies, copy_between
+    from kvstore.peer_copy import PeerCopier
 
     if config.data_parallel_size < 1:
         raise ValueError(f"--data-parallel-size {config.data_parallel_size}: at least 1")
     built = [build_service(config, i) for i in range(config.data_parallel_size)]
     services, pools = [s for s, _ in built], [d for _, d in built]
+    copier = PeerCopier(pools)
     price = None
     if len(pools) > 1 and config.peer_copy != "never":
-        price = calibrate_copies(pools[0], pools[1])
-
-    def copier(src: int, dst: int, pairs: list[tuple[int, int]]) -> float:
-        return copy_between(pools[src], pools[dst], pairs)
-
+        price = copier.calibrate()
     mode: PeerCopyMode = "auto"
     if config.peer_copy in ("always", "never"):
         mode = "always" if config.peer_copy == "always" else "never"
     devices = [str(d.device) for d in pools]
-    return Host(services, devices, copier, price, mode), pools
+    return Host(services, devices, copier.copy, price, mode), pools
 
 
 def build_service(config: KVStoreConfig, index: int = 0) -> tuple[KVService, DevicePools]:

@@ -99,6 +99,7 @@ class Client:
                     if response.status != 200:
                         result.error = f"HTTP {response.status}: {(await response.text())[:200]}"
                         return result
+                    result.server_pool = response.headers.get("X-PagedServe-Pool", "")
                     await self._read(response, result)
             except (aiohttp.ClientError, TimeoutError) as err:
                 result.error = f"{type(err).__name__}: {err}"

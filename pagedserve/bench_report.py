@@ -34,6 +34,7 @@ class Result:
     turn: int = 0
     guided: bool = False  # asked for JSON of a schema
     finish_reason: str | None = None
+    server_pool: str = ""  # the pool (GPU) a pagedserve host served it on (X-PagedServe-Pool)
 
     @property
     def ok(self) -> bool:
@@ -111,6 +112,8 @@ def summarize(config: BenchConfig, results: list[Result], duration: float) -> di
                 "turn": r.turn,
                 "guided": r.guided,
                 "finish_reason": r.finish_reason,
+                "server_pool": r.server_pool,
+                "chunks_s": [round(t, 6) for t in r.chunks],
                 "tpot_ms": None if r.first is None or r.tpot is None else r.tpot * 1e3,
                 "error": r.error,
             }

@@ -25,7 +25,7 @@ KVSTORE_CLIENT = ("kvstore.protocol", "kvstore.client", "kvstore.mapping")
 ALLOWED: dict[str, tuple[str, ...]] = {
     "contracts": ("contracts",),
     "kernels": ("kernels",),
-    "kvstore": ("kvstore", "contracts"),
+    "kvstore": ("kvstore", "contracts", "kernels"),  # kernels: copies between GPUs' pools
     "compute": ("compute", "contracts", "kernels", *KVSTORE_CLIENT),
     "gateway": ("gateway", "contracts", *KVSTORE_CLIENT),
 }

@@ -4,14 +4,17 @@
 Prompts A and B (200 tokens: 12 full blocks reusable) are first served through a second gateway
 that routes round robin, so A lands on pool 0 and B on pool 1. Through the stack's gateway
 (``--routing prefix``) each comes back to the pool that holds it: the response reports the 192
-cached tokens, the pool's own hit counter grows by as much and nothing is copied. Then B goes
+cached tokens and the pool that served it (``X-PagedServe-Pool``), the pool's own hit counter
+grows by as much and nothing is copied. Then B goes
 round robin to pool 0, which does not hold it: the daemon copies B's 12 blocks from pool 1 into
 pool 0 (``--peer-copy always``) and the answer is the one B's fresh prefill gave, token for token.
 """
 
 from __future__ import annotations
 
+import json
 import random
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,7 +22,7 @@ import pytest
 
 from kvstore import protocol as p
 from kvstore.client import KVClient
-from tests.stack import Stack, post_completion, running_stack
+from tests.stack import Stack, running_stack
 
 PROMPT_TOKENS = 200
 CACHED = (PROMPT_TOKENS - 1) // 16 * 16  # the last token is always computed
@@ -35,8 +38,17 @@ def two_pools(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 
 def complete(url: str, prompt: list[int]) -> dict[str, Any]:
+    """The answer, with the pool that served it (``X-PagedServe-Pool``) under ``"pool"``."""
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0, "logprobs": 0}
-    return post_completion(url, body)
+    request = urllib.request.Request(
+        f"{url}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        answer: dict[str, Any] = json.loads(response.read())
+        answer["pool"] = response.headers["X-PagedServe-Pool"]
+        return answer
 
 
 def tokens(answer: dict[str, Any]) -> list[str]:
@@ -62,12 +74,14 @@ def test_requests_land_on_the_pool_holding_their_prefix_and_a_copy_answers_alike
         fresh_a = complete(round_robin.url, a)  # pool 0
         fresh_b = complete(round_robin.url, b)  # pool 1
         assert cached(fresh_a) == cached(fresh_b) == 0
+        assert (fresh_a["pool"], fresh_b["pool"]) == ("0", "1")
         first = pools(stack)
         assert [row.prefix_queried_tokens for row in first] == [PROMPT_TOKENS] * 2
         assert [len(row.workers) for row in first] == [1, 1]
 
         again_a, again_b = complete(stack.url, a), complete(stack.url, b)  # by prefix
         assert cached(again_a) == cached(again_b) == CACHED
+        assert (again_a["pool"], again_b["pool"]) == ("0", "1")
         assert tokens(again_a) == tokens(fresh_a) and tokens(again_b) == tokens(fresh_b)
         second = pools(stack)
         assert [row.prefix_hit_tokens for row in second] == [CACHED, CACHED]
@@ -75,6 +89,7 @@ def test_requests_land_on_the_pool_holding_their_prefix_and_a_copy_answers_alike
 
         copied_b = complete(round_robin.url, b)  # round robin: pool 0, which lacks B
     assert cached(copied_b) == CACHED
+    assert copied_b["pool"] == "0"
     assert tokens(copied_b) == tokens(fresh_b)
     third = pools(stack)
     assert [row.copied_in_blocks for row in third] == [CACHED // 16, 0]

@@ -1,12 +1,19 @@
-"""store_kv and copy_blocks: exact against their references (CPU interpreter and GPU)."""
+"""store_kv, copy_blocks and copy_blocks_between: exact against their references (CPU
+interpreter and GPU)."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
 
-from kernels import copy_blocks, store_kv
-from kernels.reference import copy_blocks_reference, store_kv_reference
+from kernels import copy_blocks, copy_blocks_between, store_kv
+from kernels.reference import (
+    copy_blocks_between_reference,
+    copy_blocks_reference,
+    store_kv_reference,
+)
 from tests.kernels.kernel_cases import randn
 
 F16, BF16 = torch.float16, torch.bfloat16
@@ -87,6 +94,59 @@ def test_copy_blocks_small(device: torch.device, dtype: torch.dtype) -> None:
     copy_blocks(pool, src, dst)
     assert torch.equal(pool, ref)
     assert torch.equal(pool[dst], before[src])
+
+
+def check_between(src_device: torch.device, dst_device: torch.device, on_src: bool) -> None:
+    """Blocks of one pool into another of other size (on another device where there is one),
+    run by the source's device (``on_src``: it writes the peer) or the destination's."""
+    src_pool = random_pool(9, 3, 16, 2, 64, BF16, src_device, seed=1)
+    dst_pool = random_pool(12, 3, 16, 2, 64, BF16, dst_device, seed=2)
+    runner = src_device if on_src else dst_device
+    src = torch.tensor([8, 0, 3, 3], dtype=torch.int64, device=runner)
+    dst = torch.tensor([0, 11, 5, 6], dtype=torch.int64, device=runner)
+    src_before, dst_before = src_pool.clone(), dst_pool.clone()
+    ref = copy_blocks_between_reference(src_pool, dst_pool, src, dst)
+    assert torch.equal(dst_pool, dst_before), "the reference mutated its input"
+    with torch.cuda.device(runner) if runner.type == "cuda" else contextlib.nullcontext():
+        copy_blocks_between(src_pool, dst_pool, src, dst)
+    if runner.type == "cuda":
+        torch.cuda.synchronize(runner)
+    assert torch.equal(dst_pool, ref)
+    assert torch.equal(dst_pool[[0, 11, 5, 6]].cpu(), src_before[[8, 0, 3, 3]].cpu())
+    assert torch.equal(src_pool, src_before), "the source was written"
+
+
+@pytest.mark.parametrize("on_src", [True, False])
+def test_copy_blocks_between_small(device: torch.device, on_src: bool) -> None:
+    check_between(device, device, on_src)
+
+
+def test_copy_blocks_between_rejects_bad_inputs(device: torch.device) -> None:
+    a = random_pool(4, 2, 16, 2, 64, F16, device)
+    ids = torch.zeros(1, dtype=torch.int64, device=device)
+    with pytest.raises(ValueError, match=r"^dst_pool must be"):  # another block shape
+        copy_blocks_between(a, random_pool(4, 2, 16, 1, 64, F16, device), ids, ids)
+    with pytest.raises(TypeError, match=r"^dst_pool must be"):  # another dtype
+        copy_blocks_between(a, random_pool(4, 2, 16, 2, 64, BF16, device), ids, ids)
+    with pytest.raises(ValueError, match=r"^dst "):  # lengths differ
+        copy_blocks_between(a, a.clone(), ids, torch.zeros(2, dtype=torch.int64, device=device))
+    with pytest.raises(ValueError, match=r"^src must be on"):  # ids on a third device
+        copy_blocks_between(a, a.clone(), ids.to("meta"), ids.to("meta"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("on_src", [True, False])
+def test_copy_blocks_between_two_gpus(on_src: bool) -> None:
+    """Across two GPUs with peer access: each pushes to or pulls from the other."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    first, second = torch.device("cuda:0"), torch.device("cuda:1")
+    if not torch.cuda.can_device_access_peer(0, 1):
+        pytest.skip("the GPUs have no peer access")
+    torch.ones(1, device=first).copy_(torch.ones(1, device=second))  # enables peer access
+    torch.ones(1, device=second).copy_(torch.ones(1, device=first))
+    check_between(first, second, on_src)
+    check_between(second, first, on_src)
 
 
 def test_cache_ops_reject_bad_inputs(device: torch.device) -> None:

@@ -134,7 +134,8 @@ def test_one_process_result_keeps_its_keys(fake: FakeServer, tmp_path: Path) -> 
     ]  # fmt: skip
     assert list(result["requests"][0]) == [
         "start_s", "end_s", "ttft_ms", "e2e_ms", "output_tokens", "prompt_tokens",
-        "cached_tokens", "conversation", "turn", "guided", "finish_reason", "tpot_ms", "error",
+        "cached_tokens", "conversation", "turn", "guided", "finish_reason", "server_pool",
+        "chunks_s", "tpot_ms", "error",
     ]  # fmt: skip
     assert result["config"]["processes"] == 1
 
