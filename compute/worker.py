@@ -18,6 +18,7 @@ from compute.loop.backoff import retry_with_backoff
 from contracts import options
 from contracts.heap import tune_gc_for_serving
 from contracts.options import flag
+from contracts.queue_keys import check_node
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -57,6 +58,12 @@ class ComputeConfig:
         "the kvstore's pool (GPU) this worker runs on, of its --data-parallel-size; it reads "
         "that pool's request stream. On CUDA, --device must be the pool's GPU (pool i: cuda:i)",
     )
+    node: str = flag(
+        "",
+        "the host this worker's kvstore serves, when several hosts share one Redis (one "
+        "gateway routes across them with --nodes NAME=ENDPOINT): its request streams are "
+        "pagedserve:requests:NODE:POOL; empty: the first (or only) host",
+    )
     cuda_graph_max_batch: int = flag(
         256,
         "on CUDA, capture decode steps of up to this many requests as CUDA graphs "
@@ -86,6 +93,10 @@ class ComputeConfig:
         "$XDG_CACHE_HOME/pagedserve/profiles (~/.cache/...); 'off': no cache",
     )
     log_level: str = options.log_level()
+
+    def __post_init__(self) -> None:
+        if self.node:
+            check_node(self.node)  # ValueError: one line at the command line
 
 
 class Phases:
@@ -206,6 +217,7 @@ def _start_engine(
             origin,
             heartbeat=True,
             pool=config.pool,
+            node=config.node,
         )
 
     return retry_with_backoff(

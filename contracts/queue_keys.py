@@ -12,6 +12,9 @@ Keys (all under ``pagedserve:``)::
     pagedserve:requests        stream of RequestRecord; consumer group "pagedserve:workers"
                                (pool 0's: each pool of a host has its own, ``request_stream``)
     pagedserve:requests:{pool} pool ``pool``'s stream (pool > 0), the same group
+    pagedserve:requests:{node}:{pool}
+                               pool ``pool``'s stream on host ``node`` (several hosts on one
+                               Redis: a gateway's ``--nodes``, a worker's ``--node``)
     pagedserve:out:{req_id}    stream of OutputRecord (token deltas) for one request
     pagedserve:abort:{req_id}  string "1": the client went away (SET EX ABORT_TTL_S)
     pagedserve:wake:{reader}   stream (MAXLEN ~16, EXPIRE WAKE_TTL_S): wakes a reader's
@@ -56,6 +59,7 @@ it; ``stream_output`` yields a final "error" record and stops; ``read_streamed``
 
 from __future__ import annotations
 
+import re
 from typing import Any, NamedTuple
 
 import redis
@@ -67,6 +71,7 @@ RECORD_FIELD_VERSION = str(RECORD_VERSION).encode()  # an entry's ``v`` field
 KEY_PREFIX = "pagedserve:"
 REQUEST_STREAM = KEY_PREFIX + "requests"
 REQUEST_GROUP = KEY_PREFIX + "workers"
+NODE_NAME = re.compile(r"[a-z][a-z0-9_-]{0,31}")  # a host's name in its streams' keys
 
 OUTPUT_TTL_S = 300  # an output stream lives this long after its final record
 OUTPUT_IDLE_TTL_S = 3600  # ... and this long after any other record (nobody finished it)
@@ -91,11 +96,25 @@ class Checked(NamedTuple):
     gateways_gone: set[str]
 
 
-def request_stream(pool: int) -> str:
-    """The request stream of the host's pool ``pool`` (its workers read it; the gateway adds a
-    request to the stream of the pool the kvstore routed it to). Pool 0's is the one-GPU
-    stack's ``pagedserve:requests``, so a stack keeps its queue when it grows more GPUs."""
+def request_stream(pool: int, node: str = "") -> str:
+    """The request stream of pool ``pool`` of host ``node`` (its workers read it; the gateway
+    adds a request to the stream of the pool the kvstore routed it to). The first host's
+    (``node`` empty) pool 0 has the one-GPU stack's ``pagedserve:requests``, so a stack keeps
+    its queue when it grows more GPUs; its other pools ``pagedserve:requests:{pool}``; another
+    host's pools ``pagedserve:requests:{node}:{pool}`` (``node``: see ``check_node``)."""
+    if node:
+        return f"{REQUEST_STREAM}:{check_node(node)}:{pool}"
     return REQUEST_STREAM if pool == 0 else f"{REQUEST_STREAM}:{pool}"
+
+
+def check_node(node: str) -> str:
+    """``node`` if it names a host: a lowercase letter, then up to 31 lowercase letters,
+    digits, ``-`` or ``_`` (never a number: pools are); else ValueError."""
+    if not NODE_NAME.fullmatch(node):
+        raise ValueError(
+            f"node name {node!r}: a lowercase letter, then up to 31 of a-z, 0-9, '-', '_'"
+        )
+    return node
 
 
 def output_key(req_id: str) -> str:

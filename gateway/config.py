@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from contracts import options
 from contracts.options import flag
-from contracts.queue_keys import GATEWAY_TTL_S
+from contracts.queue_keys import GATEWAY_TTL_S, check_node
 from kvstore.protocol import LEASE_TIMEOUT_S
 
 ADMIN_TOKEN_ENV = "PAGEDSERVE_ADMIN_TOKEN"
@@ -109,7 +109,28 @@ class GatewayConfig:
         "'least_loaded' (the work alone), 'round_robin'",
         choices=["prefix", "least_loaded", "round_robin"],
     )
+    nodes: str = flag(
+        "",
+        "other hosts sharing this Redis, to route across hosts: NAME=ENDPOINT[,NAME=ENDPOINT] "
+        "(each host's kvstore endpoint; its workers run with --node NAME). Every host's "
+        "kvstore prices each request (by --routing) and the cheapest host takes it",
+    )
     log_level: str = options.log_level()
+
+    def __post_init__(self) -> None:
+        self.node_endpoints()  # ValueError: one line at the command line
+
+    def node_endpoints(self) -> list[tuple[str, str]]:
+        """``--nodes`` as (name, kvstore endpoint) pairs."""
+        pairs = []
+        for part in filter(None, (x.strip() for x in self.nodes.split(","))):
+            name, sep, endpoint = part.partition("=")
+            if not sep or not endpoint:
+                raise ValueError(f"--nodes {part!r}: expected NAME=ENDPOINT")
+            pairs.append((check_node(name), endpoint))
+        if len({name for name, _ in pairs}) != len(pairs):
+            raise ValueError(f"--nodes {self.nodes!r}: a name twice")
+        return pairs
 
     def resolved_api_key(self, env: dict[str, str]) -> str | None:
         """The /v1 API key: the flag, else the environment's; None: no key required."""

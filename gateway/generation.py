@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import redis.asyncio
 
-from contracts import queue_gateway, queue_keys
+from contracts import queue_gateway
 from contracts.records import REQUEST_ERRORS, OutputRecord, RequestRecord
 from gateway.errors import APIError
 from gateway.logprobs import Logprob, PromptLogprob
@@ -41,6 +41,7 @@ from gateway.metrics import Metrics
 from gateway.model_info import ModelInfo
 from gateway.prepare import Prepared
 from gateway.router import OutputRouter
+from gateway.routing import Placement
 
 log = logging.getLogger("pagedserve.gateway")
 _background: set[asyncio.Task[None]] = set()  # aborts that must outlive a cancelled handler
@@ -124,11 +125,11 @@ class Generation:
     gateway_id: str = ""  # whose liveness key the workers check (RequestRecord.gateway)
     deadline: float | None = None  # time.monotonic() past which it ends (GenerationError)
     keepalive_s: float | None = None  # deltas() yields [] after this long without a record
-    # the pool each record goes to (its stream: ``queue_keys.request_stream``); None: pool 0
-    pool_for: Callable[[RequestRecord], Awaitable[int]] | None = None
+    # where each record goes (``gateway.routing``); None: pool 0 of this host
+    pool_for: Callable[[RequestRecord], Awaitable[Placement]] | None = None
     arrival: float = field(default_factory=time.monotonic)
     prompts: list[_Prompt] = field(default_factory=list)
-    pools: list[int] = field(default_factory=list)  # each prompt's, once submitted
+    placements: list[Placement] = field(default_factory=list)  # each prompt's, once submitted
     _first_token: bool = False
     _closed: bool = False
     _inbox: asyncio.Queue[tuple[int, OutputRecord | Exception]] = field(
@@ -161,10 +162,10 @@ class Generation:
             for prompt in self.prompts
         ]
         if self.pool_for is not None:
-            self.pools = [await self.pool_for(rec) for rec in records]
+            self.placements = [await self.pool_for(rec) for rec in records]
         else:
-            self.pools = [0] * len(records)
-        streams = [queue_keys.request_stream(pool) for pool in self.pools]
+            self.placements = [Placement("", 0)] * len(records)
+        streams = [placement.stream for placement in self.placements]
         submits = [
             queue_gateway.submit(self.r, rec, stream)
             for rec, stream in zip(records, streams, strict=True)

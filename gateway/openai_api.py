@@ -175,8 +175,9 @@ async def _complete(gen: Generation, fmt: _Format) -> web.Response:
 
 
 def _pool_header(gen: Generation) -> dict[str, str]:
-    """Which pool (GPU) of the host serves each prompt: for operators and benchmarks."""
-    return {POOL_HEADER: ",".join(str(pool) for pool in gen.pools)}
+    """Which pool (GPU) serves each prompt (``node:pool`` on another host): for operators and
+    benchmarks."""
+    return {POOL_HEADER: ",".join(str(placement) for placement in gen.placements)}
 
 
 async def _stream(request: web.Request, gen: Generation, fmt: _Format) -> web.StreamResponse:

@@ -104,7 +104,9 @@ class AppState:
         )
         self._redis = redis.asyncio.Redis(connection_pool=pool)
         self._kv = AsyncKVClient(self.config.kvstore, self.config.kvstore_timeout_s)
-        self._routes = Routes(self._kv, routing_policy(self.config.routing))
+        timeout_s = self.config.kvstore_timeout_s
+        nodes = [(n, AsyncKVClient(e, timeout_s)) for n, e in self.config.node_endpoints()]
+        self._routes = Routes(self._kv, routing_policy(self.config.routing), nodes)
         self._router = OutputRouter(
             self._redis, outage_s=self.config.redis_outage_s, on_reconnect=self._renew
         )
@@ -124,6 +126,8 @@ class AppState:
         await self._redis.aclose()
         await pool.aclose()
         self._kv.close()
+        for _, kv in nodes:
+            kv.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ background

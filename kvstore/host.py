@@ -127,7 +127,15 @@ class Host:
 
     # ------------------------------------------------------------------ routing
     def route(self, body: p.Route) -> p.Routed:
-        return p.Routed([self._route_one(item, body.policy) for item in body.items])
+        """Places ``body``'s items in turn, each counted queued before the next; a quote
+        (``book=False``) places them the same way, then forgets them."""
+        if body.book:
+            return p.Routed([self._route_one(item, body.policy) for item in body.items])
+        booked = dict(self._routed), list(self._queued_tokens), self._turn
+        try:
+            return p.Routed([self._route_one(item, body.policy) for item in body.items])
+        finally:
+            self._routed, self._queued_tokens, self._turn = booked
 
     def _route_one(self, item: p.RouteItem, policy: p.RoutingPolicy) -> p.RoutedItem:
         self._admitted(item.req_id)  # routed again (a retry): counted once, not where it was

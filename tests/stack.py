@@ -190,6 +190,21 @@ def post_completion(url: str, body: dict[str, Any]) -> dict[str, Any]:
         return answer
 
 
+def complete_greedy(url: str, prompt: list[int]) -> dict[str, Any]:
+    """A greedy 12-token completion of ``prompt`` (token ids) with its tokens' logprobs, and
+    the pool that served it (the ``X-PagedServe-Pool`` header) under ``"pool"``."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0, "logprobs": 0}
+    request = urllib.request.Request(
+        f"{url}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        answer: dict[str, Any] = json.loads(response.read())
+        answer["pool"] = response.headers["X-PagedServe-Pool"]
+        return answer
+
+
 @dataclass
 class Streamed:
     """A completions stream, read to its end."""

@@ -275,12 +275,15 @@ def test_the_pages_name_files() -> None:
 
 
 def test_the_documents_redis_keys_are_the_codes() -> None:
-    documented = set(re.findall(r"`(pagedserve:[a-z_]+(?::\{[a-z_]+\})?)`", DOC.read_text()))
+    key = r"`(pagedserve:[a-z_]+(?::\{[a-z_]+\}){0,2})`"
+    documented = set(re.findall(key, DOC.read_text()))
     assert queue_keys.request_stream(0) == queue_keys.REQUEST_STREAM
     assert queue_keys.request_stream(3) == queue_keys.REQUEST_STREAM + ":3"
+    assert queue_keys.request_stream(0, "h2") == queue_keys.REQUEST_STREAM + ":h2:0"
     code = {
         queue_keys.REQUEST_STREAM,
         queue_keys.REQUEST_STREAM + ":{pool}",
+        queue_keys.REQUEST_STREAM + ":{node}:{pool}",
         queue_keys.REQUEST_GROUP,
         queue_keys.output_key("{req_id}"),
         queue_keys.abort_key("{req_id}"),

@@ -1,8 +1,8 @@
 """The compute worker's engine loop: Redis requests in, token deltas out, KV in the kvstore's pool.
 
 ``Engine`` lives as long as the process: the model, the runner over the kvstore's pool, the
-publisher, the heartbeat and the timeline. What one connection to the kvstore and Redis holds is
-its ``Session`` (``compute.loop.session``): dropped and built again on recovery.
+publisher, the heartbeat and the timeline. What one connection to the kvstore and Redis holds is its
+``Session`` (``compute.loop.session``): dropped and built again on recovery.
 
 One step (single-threaded), with the device's work overlapped by the host's (docs/architecture.md,
 "One engine step"). Each of its three one-step lags is a submit/collect pair on its owner: the
@@ -82,6 +82,7 @@ class Engine:
         profile_origin: p.ProfileOrigin | None = None,
         heartbeat: bool = False,
         pool: int = 0,
+        node: str = "",
     ) -> None:
         """Registers at the kvstore, maps its pool and takes back the requests a previous
         process under ``worker_id`` left pending. ``claim_idle_ms``: a pending request untouched
@@ -91,13 +92,13 @@ class Engine:
         replay CUDA graphs of mixed steps (CUDA only, ``ModelRunner``). The profiles go to the
         kvstore's cost model (``compute.model.profile``), with ``profile_origin``. ``heartbeat``: a
         thread keeps its leases while a step is long (``compute.loop.heartbeat``; the worker
-        process's engine has one). ``pool``: its pool at the kvstore, whose stream it reads."""
+        process's engine has one). ``pool``: its pool at the kvstore of host ``node`` (empty: the
+        first), whose stream it reads (``queue_keys.request_stream``)."""
         self.worker_id = worker_id
-        self.pool, self.stream = pool, queue_keys.request_stream(pool)
+        self.pool, self.stream = pool, queue_keys.request_stream(pool, node)
         self.model = model
         self.tokenizer = tokenizer
-        self.kv = kv
-        self.redis = r
+        self.kv, self.redis = kv, r
         self.config = config
         self.prefill_profile = prefill_profile
         self.recompute_profile = recompute_profile or RecomputeProfile([], [])
@@ -109,12 +110,12 @@ class Engine:
         self._decode = output_decoder(tokenizer)
         self.eos_ids = {eos} if isinstance(eos, int) else set(eos or [])
         self.accepting = True  # takes new requests from Redis
-        # host seconds per phase of step(): redis_in (taking requests), launch (plan, pack,
-        # enqueue the forward and the draw), process (waiting for the device, then the tokens'
-        # host work), kvstore (sending the Step, waiting for its reply: kv_wait, applying it),
+        # host seconds per phase of step(): redis_in (taking requests), launch (plan, pack, enqueue
+        # the forward and the draw), process (waiting for the device, then the tokens' host
+        # work), kvstore (sending the Step, waiting for its reply: kv_wait, applying it),
         # redis_out (handing the records to the publisher); compile (Triton variants built after
-        # start-up, part of launch, where kernels are launched: ``kernels.compile_watch``); the
-        # parts of launch and process are the model step's (``phases()`` reads both)
+        # start-up, part of launch: ``kernels.compile_watch``); launch and process are the model
+        # step's too (``phases()`` reads both)
         self._phase_s: dict[str, float] = defaultdict(float)
         self._model_phases: dict[str, float] = {}  # a dropped session's model step's phases
         self.idle_s = 0.0  # an idle engine waiting for requests (in no phase), a counter
@@ -135,8 +136,7 @@ class Engine:
             if self.heartbeat is not None:
                 self.heartbeat.stop()
             raise
-        # from here on a Triton kernel variant built stalls every request: logged, timed as
-        # the ``compile`` phase
+        # from here on a Triton kernel variant built stalls every request: logged, timed (compile)
         self.compiles = CompileWatch(self._compiled)
         if model.device.type == "cuda":
             self.compiles.install()

@@ -8,13 +8,13 @@ from typing import Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 10  # 2: Call.token; the wire's codes and kinds are closed sets (Literal).
+PROTOCOL_VERSION = 11  # 2: Call.token; the wire's codes and kinds are closed sets (Literal).
 # 3: AdmitItem.reuse_prefix, Step.finals. 4: the CPU prefix tier (Stats fields, DecisionRow.kind,
 # GetBlockMap, GetBlockInfo, Step.timeline, WorkerRow.timeline). 5: Register.recompute_profile
 # and .graph_token_buckets, WorkerRow.recompute_profile. 6: LOOKAHEAD_SLOTS.
 # 7: StepTimeline.held_steps. 8: Register.profile_origin, WorkerRow.profile_origin.
 # 9: Step.copied. 10: pools (Register.pool, Route, Routed, Stats.pools, Pong.pools, the pool of
-# GetBlockMap and GetBlockInfo, the "copy" mode and "peer" kind of decisions).
+# GetBlockMap and GetBlockInfo, the "copy" mode and "peer" kind of decisions). 11: Route.book.
 
 # A running request's block table holds the slots of its known tokens and of this many after
 # them: a worker may compute that many tokens the kvstore has not heard of yet (sampled tokens

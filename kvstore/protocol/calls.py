@@ -205,10 +205,13 @@ class RouteItem(_Item):
 class Route(_Msg):
     """Which of the host's pools should serve each request of ``items``? The daemon answers from
     what it knows now (``kvstore.placement``), one after the other (each counts as queued on its
-    pool, until a worker admits it there, before the next is placed)."""
+    pool, until a worker admits it there, before the next is placed). ``book=False``: a quote,
+    placed the same way but counted nowhere (a gateway routing across hosts asks each host's
+    kvstore for one, then books the items on the host it chose)."""
 
     items: list[RouteItem]
     policy: RoutingPolicy = "prefix"
+    book: bool = True
 
 
 Request = (

@@ -12,9 +12,7 @@ pool 0 (``--peer-copy always``) and the answer is the one B's fresh prefill gave
 
 from __future__ import annotations
 
-import json
 import random
-import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,7 +20,7 @@ import pytest
 
 from kvstore import protocol as p
 from kvstore.client import KVClient
-from tests.stack import Stack, running_stack
+from tests.stack import Stack, complete_greedy, running_stack
 
 PROMPT_TOKENS = 200
 CACHED = (PROMPT_TOKENS - 1) // 16 * 16  # the last token is always computed
@@ -35,20 +33,6 @@ def two_pools(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Itera
         redis_url, logs, 6, "0.01GiB", kvstore_flags=["--peer-copy", "always"], pools=2
     ) as stack:
         yield stack
-
-
-def complete(url: str, prompt: list[int]) -> dict[str, Any]:
-    """The answer, with the pool that served it (``X-PagedServe-Pool``) under ``"pool"``."""
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0, "logprobs": 0}
-    request = urllib.request.Request(
-        f"{url}/v1/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(request, timeout=120) as response:
-        answer: dict[str, Any] = json.loads(response.read())
-        answer["pool"] = response.headers["X-PagedServe-Pool"]
-        return answer
 
 
 def tokens(answer: dict[str, Any]) -> list[str]:
@@ -71,15 +55,16 @@ def test_requests_land_on_the_pool_holding_their_prefix_and_a_copy_answers_alike
     rng = random.Random(33)
     a, b = ([rng.randrange(256) for _ in range(PROMPT_TOKENS)] for _ in range(2))
     with stack.gateway("--routing", "round_robin") as round_robin:
-        fresh_a = complete(round_robin.url, a)  # pool 0
-        fresh_b = complete(round_robin.url, b)  # pool 1
+        fresh_a = complete_greedy(round_robin.url, a)  # pool 0
+        fresh_b = complete_greedy(round_robin.url, b)  # pool 1
         assert cached(fresh_a) == cached(fresh_b) == 0
         assert (fresh_a["pool"], fresh_b["pool"]) == ("0", "1")
         first = pools(stack)
         assert [row.prefix_queried_tokens for row in first] == [PROMPT_TOKENS] * 2
         assert [len(row.workers) for row in first] == [1, 1]
 
-        again_a, again_b = complete(stack.url, a), complete(stack.url, b)  # by prefix
+        again_a = complete_greedy(stack.url, a)  # by prefix
+        again_b = complete_greedy(stack.url, b)
         assert cached(again_a) == cached(again_b) == CACHED
         assert (again_a["pool"], again_b["pool"]) == ("0", "1")
         assert tokens(again_a) == tokens(fresh_a) and tokens(again_b) == tokens(fresh_b)
@@ -87,7 +72,7 @@ def test_requests_land_on_the_pool_holding_their_prefix_and_a_copy_answers_alike
         assert [row.prefix_hit_tokens for row in second] == [CACHED, CACHED]
         assert [row.copied_in_blocks for row in second] == [0, 0]
 
-        copied_b = complete(round_robin.url, b)  # round robin: pool 0, which lacks B
+        copied_b = complete_greedy(round_robin.url, b)  # round robin: pool 0, which lacks B
     assert cached(copied_b) == CACHED
     assert copied_b["pool"] == "0"
     assert tokens(copied_b) == tokens(fresh_b)

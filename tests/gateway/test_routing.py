@@ -11,7 +11,7 @@ import pytest
 
 from contracts.records import RequestRecord, SamplingParams
 from gateway.kvclient import AsyncKVClient
-from gateway.routing import Routes
+from gateway.routing import Placement, Routes
 from kvstore import protocol as p
 from kvstore.client import KVClient
 from tests.conftest import start_kvstore, stop_process
@@ -38,9 +38,8 @@ def routes_of(endpoint: str, policy: p.RoutingPolicy, count: int, name: str) -> 
         try:
             routes = Routes(kv, policy)
             routes.pools = 2
-            return list(
-                await asyncio.gather(*(routes.pool_for(record(i, name)) for i in range(count)))
-            )
+            calls = (routes.pool_for(record(i, name)) for i in range(count))
+            return [placement.pool for placement in await asyncio.gather(*calls)]
         finally:
             kv.close()
 
@@ -68,7 +67,8 @@ def test_without_a_kvstore_requests_go_to_the_pools_in_turn() -> None:
             routes = Routes(kv, "prefix")
             routes.pools = 2
             calls = (routes.pool_for(record(i)) for i in range(4))
-            return list(await asyncio.wait_for(asyncio.gather(*calls), 10))
+            placed = await asyncio.wait_for(asyncio.gather(*calls), 10)
+            return [placement.pool for placement in placed]
         finally:
             kv.close()
 
@@ -77,11 +77,11 @@ def test_without_a_kvstore_requests_go_to_the_pools_in_turn() -> None:
 
 
 def test_one_pool_needs_no_route(two_pools: str) -> None:
-    async def go() -> int:
+    async def go() -> Placement:
         kv = AsyncKVClient("ipc:///tmp/pagedserve-test-nobody-routes.sock", timeout_s=0.1)
         try:
             return await Routes(kv, "prefix").pool_for(record(0))  # pools: 1 until told
         finally:
             kv.close()
 
-    assert asyncio.run(go()) == 0
+    assert asyncio.run(go()) == Placement("", 0)

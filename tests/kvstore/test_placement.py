@@ -237,6 +237,23 @@ def test_host_spreads_one_batch_over_idle_pools_by_queued_tokens() -> None:
     assert route(h, ("y", [1]))[0].pool == 0  # "x" is queued on pool 0 now: 111 < 140
 
 
+def test_a_quote_places_as_a_route_would_and_books_nothing() -> None:
+    """``Route(book=False)``: the answer a booking would get, and nothing counted queued (a
+    gateway routing across hosts quotes each host, then books one)."""
+    h = host([64, 64])
+    route(h, ("a", tokens(1000, 100)))  # pool 0, which owes 100
+    items = [p.RouteItem("b", tokens(2000, 20)), p.RouteItem("c", tokens(3000, 20))]
+    quote = h.handle(p.Route(items, book=False))
+    assert isinstance(quote, p.Routed)
+    assert [r.pool for r in quote.items] == [1, 1]
+    assert queues(h) == [(1, 100), (0, 0)]
+    for policy in ("round_robin", "round_robin"):  # a quote does not take a turn either
+        quoted = h.handle(p.Route(items[:1], policy, book=False))
+        assert isinstance(quoted, p.Routed) and quoted.items[0].pool == 0
+    assert h.handle(p.Route(items)) == quote  # booked: the same places
+    assert queues(h) == [(1, 100), (2, 40)]
+
+
 def test_a_prefix_computed_on_pool_1_routes_to_pool_1() -> None:
     copier = Copies()
     h = host([64, 64], copier=copier)
