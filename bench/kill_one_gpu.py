@@ -14,6 +14,8 @@ and failed, and pool 0's inter-token latency p50/p99 before the outage, during i
 issue 33: pool 0's ITL p99 during the outage over before (goal <= 1.2).
 
     python bench/kill_one_gpu.py --shape 1b [--rate 30] [--duration 45] [--kill-after 15]
+    python bench/kill_one_gpu.py --device cpu --rate 4 --duration 30 --kill-after 10  # a smoke
+        check: two /dev/shm pools and the tiny model, short prompts and answers
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.http_serve import pagedserve_up, warm_up  # noqa: E402
+from bench.http_serve import pagedserve_up  # noqa: E402
 from bench.shapes import checkpoint  # noqa: E402
 
 
@@ -87,21 +89,27 @@ def main() -> None:
     parser.add_argument("--routing", default="prefix")
     parser.add_argument("--gateways-per-gpu", type=int, default=4)
     parser.add_argument("--out", type=Path, default=Path("/tmp/pagedserve-kill-one-gpu"))
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    model_dir = checkpoint(args.out / f"model-{args.shape}", args.shape)
     result_path = args.out / f"{args.shape}-kill.json"
     up_args = ("--data-parallel-size", "2", f"--gateway-args=--routing {args.routing}")
+    if args.device == "cpu":
+        model, tokenizer, lengths = "tiny", "tiny", ("16:64", "8:32")
+    else:
+        model = tokenizer = str(checkpoint(args.out / f"model-{args.shape}", args.shape))
+        lengths = ("64:1024", "32:512")
     with pagedserve_up(
-        str(model_dir), args.out / "redis", gateways=2 * args.gateways_per_gpu, up_args=up_args
+        model, args.out / "redis", args.device, "", 2 * args.gateways_per_gpu, up_args=up_args
     ) as url:
-        warm_up(url, model_dir.name, model_dir, result_path, ignore_eos=True)
         requests = int(args.rate * args.duration)
         command = [sys.executable, "-m", "pagedserve.cli", "bench", "--base-url", url]
-        command += ["--model", model_dir.name, "--endpoint", "chat", "--tokenizer", str(model_dir)]
+        command += ["--endpoint", "chat", "--tokenizer", tokenizer, "--ignore-eos"]
+        command += ["--input-len", lengths[0], "--output-len", lengths[1], "--no-progress"]
+        warm = [*command, "--num-requests", "32", "--seed", "1"]  # compiles the kernels
+        subprocess.run([*warm, "--result-json", str(result_path)], cwd=ROOT, check=True)
         command += ["--num-requests", str(requests), "--request-rate", str(args.rate)]
-        command += ["--input-len", "64:1024", "--output-len", "32:512", "--ignore-eos"]
-        command += ["--result-json", str(result_path), "--no-progress"]
+        command += ["--result-json", str(result_path)]
         client = subprocess.Popen(command, cwd=ROOT)
         time.sleep(args.kill_after)
         victim = worker_pid(1)
