@@ -12,7 +12,7 @@ from itertools import product
 from bench.cost_rig import BLOCK
 from kvstore.cost_model import Choice, CostRefit
 
-KINDS = ("prefix", "preempt")
+KINDS = ("prefix", "preempt", "peer")
 
 
 @dataclass(frozen=True)
@@ -20,6 +20,7 @@ class Row:
     """One grid point: predictions, actual medians (seconds) and the model's choice."""
 
     kind: str  # "prefix" (load vs recompute) | "preempt" (swap out + in vs recompute from 0)
+    # | "peer" (copy from another GPU's pool vs recompute)
     batch: str  # "absent" | "present"
     context: int  # tokens cached before the range (preempt: 0)
     blocks: int

@@ -17,8 +17,9 @@ from transformers import PreTrainedModel
 import compute.model.attention  # noqa: F401  (registers the "paged" attention function)
 from compute.model.runner import ModelRunner, ScheduledChunk
 from contracts.model_config import kv_geometry
-from kvstore.cost_model import SwapCalibration
+from kvstore.cost_model import LinearCost, SwapCalibration
 from kvstore.device import DevicePools
+from kvstore.peer_copy import PeerCopier
 
 BLOCK = 16
 
@@ -47,6 +48,13 @@ class Rig:
         if cuda:
             self.pools.pool.zero_()
         self.calibration: SwapCalibration | None = self.pools.calibrate()  # as the daemon does
+        self.peer: DevicePools | None = None  # another GPU's pool, for the "peer" kind
+        self.copy_line: LinearCost | None = None
+        if "peer" in args.kinds:
+            peer_device = "cuda:1" if cuda else "cpu"
+            self.peer = DevicePools(geometry, BLOCK, max(*args.blocks, 256), 0, peer_device)
+            self.copier = PeerCopier([self.pools, self.peer])
+            self.copy_line = self.copier.calibrate(1, 0)  # as the daemon does, into this pool
         graphs = not args.eager and cuda
         pieces = min(args.graph_tokens, args.budget) if graphs else 0
         note("capturing CUDA graphs" if graphs else "building the runner")
@@ -109,14 +117,30 @@ class Rig:
         predicted = line.seconds(len(pairs)) if line else 1e-3
         move = self.pools.swap_out if to_cpu else self.pools.swap_in
         moved = pairs if to_cpu else [(c, g) for g, c in pairs]
+        return self.timed_beside(lambda: move(moved), predicted, present)
+
+    def peer_s(self, context: int, blocks: int, present: bool) -> float:
+        """Seconds of copying ``blocks`` scattered blocks of the peer pool into the range after
+        ``context`` (``PeerCopier.copy``, as the daemon), beside the present batch as a swap."""
+        assert self.peer is not None and self.copy_line is not None
+        first = context // BLOCK
+        sources = random.Random(blocks).sample(range(self.peer.pool.shape[0]), blocks)
+        pairs = list(zip(sources, self.table[first : first + blocks], strict=True))
+        return self.timed_beside(
+            lambda: self.copier.copy(1, 0, pairs), self.copy_line.seconds(blocks), present
+        )
+
+    def timed_beside(self, run: Callable[[], float], predicted: float, present: bool) -> float:
+        """Median seconds of ``run`` while the present batch keeps the GPU busy (decode steps
+        enqueued for several times ``predicted``)."""
 
         def once() -> float:
             self.sync()
             if not present or self.device.type != "cuda":
-                return move(moved)
-            for factor in (3, 12, 48):  # more decode steps until they outlast the swap
+                return run()
+            for factor in (3, 12, 48):  # more decode steps until they outlast the run
                 self.busy(factor * predicted + 1e-3)
-                seconds = move(moved)
+                seconds = run()
                 covered = not torch.cuda.current_stream(self.device).query()
                 self.sync()
                 if covered:

@@ -28,7 +28,13 @@ paths' actuals, which a kvstore online sees only for the path it chose), and see
 timings at ``--seed-tokens`` x ``--seed-contexts``, off the grid, both batches (a profile a
 worker could measure at registration; the moves keep the calibration).
 
+``--kinds peer`` asks the kvstore's other question (``Host._bring``): a prefix another GPU's pool
+caches, copied into this pool (``PeerCopier.copy`` from a pool on cuda:1, priced by the
+calibrated line ``PeerCopier.calibrate`` fits, as the daemon's start-up) or recomputed, asked
+``peer_copy(copy_s, n*16, context, suffix, running=decodes)``; the same recompute timing.
+
     python bench/cost_sweep.py [--shape 1b|8b] [--recalibrate] [--json sweep.json]
+    python bench/cost_sweep.py --kinds peer --shape 8b   # two GPUs
     python bench/cost_sweep.py --device cpu --blocks 1,4 --contexts 0,32 --repeats 1
 """
 
@@ -110,19 +116,27 @@ def sweep(args: argparse.Namespace) -> tuple[list[Row], Seeds, list[str]]:
     header = header_lines(args, profile, recompute.points, rig)
     rows: list[Row] = []
     seeds: Seeds = {}
-    prefix_points = len(args.suffixes) * len(args.contexts)
-    total = len(args.batches) * len(args.blocks) * (prefix_points + (not args.no_preempt))
+    grid = len(args.suffixes) * len(args.contexts)
+    per_point = ("prefix" in args.kinds) + ("peer" in args.kinds)
+    total = len(args.batches) * len(args.blocks) * (grid * per_point + ("preempt" in args.kinds))
     try:
         for batch in args.batches:
             present = batch == "present"
             for suffix, context, n in product(args.suffixes, args.contexts, args.blocks):
                 running = args.decodes if present else 0
-                choice = pricing.prefix_load(WORKER, n, n * BLOCK, context, suffix, running)
-                move = rig.move_s(rig.pairs(context, n), to_cpu=False, present=present)
                 rec = rig.recompute_s(n * BLOCK, context, present, suffix)
-                rows.append(Row.of("prefix", batch, context, n, suffix, choice, move, rec))
-                progress(rows[-1], len(rows), total)
-            for n in [] if args.no_preempt else args.blocks:
+                if "prefix" in args.kinds:
+                    choice = pricing.prefix_load(WORKER, n, n * BLOCK, context, suffix, running)
+                    move = rig.move_s(rig.pairs(context, n), to_cpu=False, present=present)
+                    rows.append(Row.of("prefix", batch, context, n, suffix, choice, move, rec))
+                    progress(rows[-1], len(rows), total)
+                if rig.copy_line is not None:  # the kvstore's question at a peer hit
+                    copy_s = rig.copy_line.seconds(n)
+                    choice = pricing.peer_copy(WORKER, copy_s, n * BLOCK, context, suffix, running)
+                    move = rig.peer_s(context, n, present)
+                    rows.append(Row.of("peer", batch, context, n, suffix, choice, move, rec))
+                    progress(rows[-1], len(rows), total)
+            for n in args.blocks if "preempt" in args.kinds else []:
                 choice = pricing.preempt(WORKER, n, n * BLOCK, rig.pools.cpu_pool.shape[0])
                 pairs = rig.pairs(0, n)
                 move = rig.move_s(pairs, True, present) + rig.move_s(pairs, False, present)
@@ -134,6 +148,8 @@ def sweep(args: argparse.Namespace) -> tuple[list[Row], Seeds, list[str]]:
                 seeds[present] = [(t, c, rig.recompute_s(t, c, present, 0)) for t, c in points]
     finally:
         rig.pools.close()
+        if rig.peer is not None:
+            rig.peer.close()
     return rows, seeds, header
 
 
@@ -247,13 +263,21 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for flag, kind, default, text in options:
         p.add_argument(flag, type=kind, default=default, help=text)
     p.add_argument("--eager", action="store_true", help="no CUDA graphs: every step eager")
-    p.add_argument("--no-preempt", action="store_true", help="skip the preemption rows")
+    p.add_argument(
+        "--kinds",
+        type=words,
+        default=["prefix", "preempt"],
+        help="prefix: a CPU-tier load vs recompute; preempt: swap out + in vs recompute; peer: "
+        "a copy from another GPU's pool (cuda:1; on CPU a second /dev/shm pool) vs recompute",
+    )
     p.add_argument("--recalibrate", action="store_true", help=RECALIBRATE_HELP)
     args = p.parse_args(argv)
     if any(c % BLOCK for c in args.contexts):
         p.error(f"contexts must be multiples of {BLOCK} (a prefix hit ends on a block)")
     if not set(args.batches) <= {"absent", "present"}:
         p.error("--batches takes absent and/or present")
+    if not set(args.kinds) <= {"prefix", "preempt", "peer"}:
+        p.error("--kinds takes prefix, preempt and/or peer")
     if "present" not in args.batches:
         args.decodes = 0
     return args

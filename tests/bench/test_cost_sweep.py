@@ -155,3 +155,21 @@ def test_seeded_refit_prices_recompute_from_off_grid_points_only() -> None:
     for r, before in zip(again, rows, strict=True):
         assert r.predicted_recompute_s == pytest.approx(r.recompute_s, rel=1e-6)
         assert r.predicted_move_s == before.predicted_move_s  # moves keep the calibration
+
+
+def test_peer_kind_times_copies_from_a_second_pool_beside_the_same_recomputes(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--kinds peer,prefix`` on CPU: a second /dev/shm pool plays the other GPU; each point's
+    copy (``PeerCopier.copy``) and CPU-tier load are timed against the one recompute, and the
+    copy is priced by the line the copier's calibration fitted."""
+    argv = "--device cpu --blocks 1,4 --contexts 0 --suffixes 1 --repeats 1 --batches absent"
+    rows = main([*argv.split(), "--kinds", "peer,prefix"])["shipped"]
+    assert [(r.kind, r.blocks) for r in rows] == [
+        ("prefix", 1), ("peer", 1), ("prefix", 4), ("peer", 4)
+    ]  # fmt: skip
+    for prefix, peer in zip(rows[::2], rows[1::2], strict=True):
+        assert peer.recompute_s == prefix.recompute_s  # one recompute timing, two questions
+        assert peer.move_s > 0 and math.isfinite(peer.predicted_move_s)
+    assert rows[3].predicted_move_s > rows[1].predicted_move_s  # 4 blocks cost more than 1
+    assert "- peer all: faster path chosen in" in capsys.readouterr().out
