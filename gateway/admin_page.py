@@ -10,10 +10,12 @@ routes need that header, as the rest of the admin API (``gateway.admin``):
   ``/admin/cost-model`` in one body, from one ``GetStats`` call (each worker's row carries the
   last running totals its engine sent, ``timeline``, which the page turns into its step
   timeline, ``static/admin/steptimeline.js``);
-* ``GET /admin/blocks``: the block map of both pools, one byte per block (an index into
-  ``states``), base64 in JSON, with the counts per state;
-* ``GET /admin/blocks/{tier}/{block}``: one block (``gpu`` or ``cpu``): its state, the requests
-  that hold it, the prefix it caches (key, tokens, hits), its copy in the other tier.
+* ``GET /admin/blocks``: the block map of both tiers, one byte per block (an index into
+  ``states``), base64 in JSON, with the counts per state; ``?pool=N``: of the host's pool N
+  (GPU N; default 0), which the page's pool select (``static/admin/poolchoice.js``) picks;
+* ``GET /admin/blocks/{tier}/{block}``: one block (``gpu`` or ``cpu``, ``?pool=N``): its state,
+  the requests that hold it, the prefix it caches (key, tokens, hits), its copy in the other
+  tier.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ ASSETS = {  # route file -> content type
     "admin.js": "text/javascript",
     "blockmap.js": "text/javascript",
     "steptimeline.js": "text/javascript",
+    "poolchoice.js": "text/javascript",
     "admin.css": "text/css",
 }
 DEFAULT_TOP = 20
@@ -58,6 +61,7 @@ def routes() -> list[web.RouteDef]:
         web.get("/admin/admin.js", asset),
         web.get("/admin/blockmap.js", asset),
         web.get("/admin/steptimeline.js", asset),
+        web.get("/admin/poolchoice.js", asset),
         web.get("/admin/admin.css", asset),
         web.get("/admin/overview", overview),
         web.get("/admin/blocks", blocks),

@@ -20,7 +20,18 @@ import pytest
 
 from kvstore import protocol as p
 from kvstore.client import KVClient
-from tests.stack import Stack, complete_greedy, running_stack
+from tests.gateway.test_admin_page import (
+    By,
+    Select,
+    WebDriver,
+    browser,  # noqa: F401 (the fixture)
+    gpu_map,
+    log_in,
+    open_page,
+    requested_urls,
+    wait_for,
+)
+from tests.stack import ADMIN_TOKEN, Stack, complete_greedy, running_stack
 
 PROMPT_TOKENS = 200
 CACHED = (PROMPT_TOKENS - 1) // 16 * 16  # the last token is always computed
@@ -80,3 +91,35 @@ def test_requests_land_on_the_pool_holding_their_prefix_and_a_copy_answers_alike
     assert [row.copied_in_blocks for row in third] == [CACHED // 16, 0]
     assert [row.prefix_hit_tokens for row in third] == [2 * CACHED, CACHED]
     assert [row.running for row in third] == [0, 0]
+
+
+def test_the_admin_page_shows_each_pools_block_map(
+    browser: WebDriver,  # noqa: F811 (the fixture imported above)
+    two_pools: Stack,
+) -> None:
+    """With two pools the page offers a pool select; pool 1 chosen, it draws pool 1's map
+    (``/admin/blocks?pool=1``), its cached blocks counted as the kvstore counts them."""
+    stack = two_pools
+    rng = random.Random(34)
+    prompt = [rng.randrange(256) for _ in range(PROMPT_TOKENS)]
+    with stack.gateway("--routing", "round_robin") as round_robin:
+        served = [complete_greedy(round_robin.url, prompt)["pool"] for _ in range(2)]
+    assert sorted(served) == ["0", "1"]  # both pools hold the prompt (one copied it, or not)
+    with KVClient(stack.endpoint) as client:
+        cached = [client.call(p.GetBlockMap(i)).gpu.count(2) for i in (0, 1)]  # 2: "cached"
+    assert p.BLOCK_STATES[2] == "cached" and min(cached) > 0
+    open_page(browser, stack)
+    log_in(browser, ADMIN_TOKEN)
+    choice = browser.find_element(By.ID, "pool-choice")
+    wait_for("the pool select", choice.is_displayed, 30)
+    options = browser.find_elements(By.CSS_SELECTOR, "#pool-select option")
+    assert [o.get_attribute("value") for o in options] == ["0", "1"]
+    assert "pool 1 · cpu" in options[1].text and "worker(s)" in options[1].text, options[1].text
+    wait_for("pool 0's map", lambda: gpu_map(browser).get("cached") == cached[0])
+    requested_urls(browser)  # from here on
+    Select(browser.find_element(By.ID, "pool-select")).select_by_value("1")
+    wait_for(
+        "pool 1's map requested",
+        lambda: any(u.endswith("/admin/blocks?pool=1") for u in requested_urls(browser)),
+    )
+    wait_for("pool 1's map drawn", lambda: gpu_map(browser).get("cached") == cached[1])

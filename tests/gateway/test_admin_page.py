@@ -39,6 +39,7 @@ try:
     from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.action_chains import ActionChains
     from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.select import Select  # noqa: F401 (test_two_pools.py's)
 except ImportError:  # the dev extra is not installed
     webdriver = None  # type: ignore[assignment]
 
@@ -182,6 +183,7 @@ def test_the_page_and_its_routes(stack: Stack) -> None:
         ("/admin/admin.js", "text/javascript"),
         ("/admin/blockmap.js", "text/javascript"),
         ("/admin/steptimeline.js", "text/javascript"),
+        ("/admin/poolchoice.js", "text/javascript"),
         ("/admin/admin.css", "text/css"),
     ]:
         status, headers, body = get(stack, path)
@@ -366,7 +368,7 @@ def test_the_live_map_shows_cached_blocks_and_hits(
         shot = shot or screenshot(browser, "admin-page.png")
         record_property("artifact", str(shot))
     urls = requested_urls(browser)
-    assert any(url.endswith("/admin/blocks") for url in urls), urls[:20]
+    assert any(url.endswith("/admin/blocks?pool=0") for url in urls), urls[:20]
     leaked = [url for url in urls if ADMIN_TOKEN in url]
     assert not leaked and ADMIN_TOKEN not in browser.current_url, leaked
 

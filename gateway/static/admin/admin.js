@@ -42,6 +42,7 @@
   }
 
   const maps = { gpu: new PoolMap("gpu"), cpu: new PoolMap("cpu") };
+  let choice = null; // which pool the map shows (PagedservePools.PoolChoice), once loaded
 
   function showBlocks(body) {
     const t0 = performance.now();
@@ -114,7 +115,7 @@
     let block = first; // in an aggregated cell, its first block that is not free
     for (let i = first; i < end; i++) if (map.states[i] !== 0) { block = i; break; }
     try {
-      describe(tier, cell, await api(`/admin/blocks/${tier}/${block}`));
+      describe(tier, cell, await api(`/admin/blocks/${tier}/${block}?${choice.query()}`));
     } catch (err) {
       describe(tier, cell, null);
       if (err instanceof AuthError) logout(err.message);
@@ -269,6 +270,7 @@
   function showOverview(body) {
     const cache = body.cache;
     const pc = cache.prefix_cache;
+    choice.update(cache.pools);
     const tier = cache.cpu_tier || { prefix_cache: false, hit_tokens: 0, counts: {}, demoted_blocks: 0 };
     $("hit-tokens").textContent = n(pc.hit_tokens);
     $("hit-tokens").dataset.value = String(pc.hit_tokens);
@@ -318,7 +320,9 @@
   async function tick() {
     if (!polling) return;
     const t0 = performance.now();
-    const [overview, blocks] = await Promise.allSettled([api("/admin/overview"), api("/admin/blocks")]);
+    const [overview, blocks] = await Promise.allSettled([
+      api("/admin/overview"), api(`/admin/blocks?${choice.query()}`),
+    ]);
     if (!polling) return;
     const failed = [overview, blocks].find((r) => r.status === "rejected");
     if (failed && failed.reason instanceof AuthError) { logout("the token was rejected"); return; }
@@ -376,6 +380,7 @@
 
   document.addEventListener("DOMContentLoaded", () => {
     legend();
+    choice = new window.PagedservePools.PoolChoice($("pool-choice"), $("pool-select"));
     wireMap("gpu");
     wireMap("cpu");
     $("login").addEventListener("submit", (event) => {
