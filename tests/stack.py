@@ -180,20 +180,19 @@ def running_stack(
 def post_completion(url: str, body: dict[str, Any]) -> dict[str, Any]:
     """``POST {url}/v1/completions`` of ``body``, its JSON answer (raises
     urllib.error.HTTPError on a 4xx/5xx)."""
-    request = urllib.request.Request(
-        f"{url}/v1/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(request, timeout=120) as response:
-        answer: dict[str, Any] = json.loads(response.read())
-        return answer
+    return _post_completion(url, body)[0]
 
 
 def complete_greedy(url: str, prompt: list[int]) -> dict[str, Any]:
     """A greedy 12-token completion of ``prompt`` (token ids) with its tokens' logprobs, and
     the pool that served it (the ``X-PagedServe-Pool`` header) under ``"pool"``."""
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0, "logprobs": 0}
+    answer, pool = _post_completion(url, body)
+    return {**answer, "pool": pool}
+
+
+def _post_completion(url: str, body: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """The JSON answer and the ``X-PagedServe-Pool`` header of ``POST {url}/v1/completions``."""
     request = urllib.request.Request(
         f"{url}/v1/completions",
         data=json.dumps(body).encode(),
@@ -201,8 +200,7 @@ def complete_greedy(url: str, prompt: list[int]) -> dict[str, Any]:
     )
     with urllib.request.urlopen(request, timeout=120) as response:
         answer: dict[str, Any] = json.loads(response.read())
-        answer["pool"] = response.headers["X-PagedServe-Pool"]
-        return answer
+        return answer, response.headers.get("X-PagedServe-Pool", "")
 
 
 @dataclass
