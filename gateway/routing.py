@@ -118,14 +118,17 @@ class Routes:
                 self._turn += 1
             else:
                 chosen.append(min(answered, key=lambda i: cheapest(quotes[i], k)))
-        placements: list[Placement | None] = [None] * len(items)
-        for host, (node, kv) in enumerate(self.hosts):
-            mine = [k for k, c in enumerate(chosen) if c == host]
-            if mine:
-                booked = await self._book(node, kv, [items[k] for k in mine])
-                for k, placement in zip(mine, booked, strict=True):
-                    placements[k] = placement
-        return [placement or Placement("", 0) for placement in placements]
+        shares = {host: [k for k, c in enumerate(chosen) if c == host] for host in set(chosen)}
+        booked = await asyncio.gather(  # every host's share at once
+            *(
+                self._book(*self.hosts[host], [items[k] for k in mine])
+                for host, mine in shares.items()
+            )
+        )
+        placements: dict[int, Placement] = {}
+        for mine, placed in zip(shares.values(), booked, strict=True):
+            placements.update(zip(mine, placed, strict=True))
+        return [placements[k] for k in range(len(items))]
 
     async def _book(
         self, node: str, kv: AsyncKVClient, items: list[p.RouteItem]
