@@ -116,11 +116,15 @@ def main() -> None:
         os.kill(victim, signal.SIGKILL)
         print(f"SIGKILL to pool 1's worker (pid {victim}) {args.kill_after:.0f} s in", flush=True)
         client.wait(timeout=3600)
+        report(result_path, requests)  # before the stack stops: that may take a while
+
+
+def report(result_path: Path, requests: int) -> None:
     result = json.loads(result_path.read_text())
     rows = result["requests"]
     start, end = outage(rows, "1")
     last = max(r["end_s"] for r in rows)
-    windows = {"before": (5.0, start), "outage": (start, end), "after": (end, last)}
+    windows = {"before": (2.0, start), "outage": (start, end), "after": (end, last)}
     print(
         f"completed {result['completed']}, failed {result['failed']} of {requests}; "
         f"errors {result['errors']}; pool 1 silent from {start:.2f} s to {end:.2f} s "

@@ -40,7 +40,7 @@ class PeerCopier:
         self._peered: set[tuple[int, int]] = set()
 
     def direct_possible(self, src: int, dst: int) -> bool:
-        a, b = self.pools[src].device, self.pools[dst].device
+        a, b = self.pools[src].pool.device, self.pools[dst].pool.device  # with their indexes
         if a.type != "cuda" or b.type != "cuda" or a == b:
             return False
         return bool(torch.cuda.can_device_access_peer(a, b)) and bool(
