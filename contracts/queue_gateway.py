@@ -1,6 +1,7 @@
 """The gateway's side of the Redis contract (``contracts.queue_keys`` says what each key holds and
 how entries live): queue requests, read every in-flight request's deltas with one XREAD, abort,
-renew this gateway's liveness. ``redis.asyncio.Redis`` clients. Torch-free.
+renew this gateway's liveness, move the requests of a pool without a worker to another pool's
+stream. ``redis.asyncio.Redis`` clients. Torch-free.
 
 A malformed output entry comes back as a final "error" record (``read_outputs``,
 ``stream_output``): the reader loops never crash on one.
@@ -11,11 +12,19 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 
+import msgspec
 import redis.asyncio
 from redis.typing import EncodableT, FieldT, KeyT, StreamIdT
 
 from contracts import queue_keys
-from contracts.records import OutputRecord, RecordError, RequestRecord, decode_output, encode
+from contracts.records import (
+    OutputRecord,
+    RecordError,
+    RequestRecord,
+    decode_output,
+    decode_request,
+    encode,
+)
 
 log = logging.getLogger("pagedserve.queue")
 
@@ -60,6 +69,56 @@ async def missing(r: redis.asyncio.Redis, requests: dict[str, tuple[str, str]]) 
     return {
         req_id for req_id, (entry, out) in zip(requests, pairs, strict=True) if not (entry or out)
     }
+
+
+async def take_stranded(
+    r: redis.asyncio.Redis, stream: str, mover: str, min_idle_ms: int, count: int
+) -> list[tuple[str, RequestRecord]]:
+    """Up to ``count`` requests of ``stream`` that no live worker holds, now pending for the
+    consumer ``mover``: those pending and untouched for ``min_idle_ms`` (their worker died) and
+    those no worker read yet. For a pool that has no worker: ``move`` them to one that has.
+    Entries this build cannot decode stay (pending for ``mover``; a worker fails them once it
+    claims them)."""
+    group = queue_keys.REQUEST_GROUP
+    try:
+        reply = await r.xautoclaim(stream, group, mover, min_idle_ms, "0-0", count)
+    except redis.ResponseError as err:
+        if "NOGROUP" not in str(err):
+            raise
+        return []  # no worker ever read this stream: nothing is stranded on it yet
+    entries = [(entry_id, fields) for entry_id, fields in reply[1] if fields is not None]
+    if len(entries) < count:
+        read = await r.xreadgroup(group, mover, {stream: ">"}, count=count - len(entries))
+        entries += [entry for _, part in queue_keys.streams(read) for entry in part]
+    requests = []
+    for raw_id, fields in entries:
+        entry_id = queue_keys.text(raw_id)
+        if not isinstance(fields, dict):  # RESP3 may give the fields as a flat list
+            fields = dict(zip(fields[::2], fields[1::2], strict=True))
+        try:
+            requests.append((entry_id, decode_request(queue_keys.payload(raw_id, fields))))
+        except RecordError as err:
+            log.warning("request entry %s of %s not moved: %s", entry_id, stream, err)
+    return requests
+
+
+async def move(
+    r: redis.asyncio.Redis, entry_id: str, record: RequestRecord, src: str, dst: str
+) -> str:
+    """Entry ``entry_id`` of ``src`` (pending for the mover: ``take_stranded``) queued again on
+    ``dst``, marked to resume (``RequestRecord.resume``), in one transaction: XADD to ``dst``,
+    XACK and XDEL from ``src``. Returns the new entry id."""
+    fields: dict[FieldT, EncodableT] = {
+        "v": queue_keys.RECORD_FIELD_VERSION,
+        "id": record.req_id,
+        "rec": encode(msgspec.structs.replace(record, resume=True)),
+    }
+    async with r.pipeline(transaction=True) as pipe:
+        pipe.xadd(dst, fields)
+        pipe.xack(src, queue_keys.REQUEST_GROUP, entry_id)
+        pipe.xdel(src, entry_id)
+        new_id, _, _ = await pipe.execute()
+    return queue_keys.text(new_id)
 
 
 async def abort(r: redis.asyncio.Redis, req_id: str) -> None:

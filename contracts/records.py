@@ -126,7 +126,10 @@ class RequestRecord(msgspec.Struct, array_like=True, forbid_unknown_fields=True,
     only requests with the same salt share blocks. ``gateway``: the id of the gateway waiting for
     the output, whose liveness key (``queue_keys.gateway_key``) it renews; once that key is gone,
     workers abort the request (nobody would read it). Empty: no gateway (a program using the
-    Redis contract directly). Requests are served in the order of the stream (no priority)."""
+    Redis contract directly). Requests are served in the order of the stream (no priority).
+    ``resume``: moved here from the stream of a pool that had no worker
+    (``queue_gateway.move``): the worker that reads it goes on from what its output stream holds,
+    as after taking over a dead worker's request; a request is moved once at most."""
 
     req_id: str
     prompt_token_ids: list[int]
@@ -134,6 +137,7 @@ class RequestRecord(msgspec.Struct, array_like=True, forbid_unknown_fields=True,
     model: str
     salt: bytes | None = None
     gateway: str = ""
+    resume: bool = False
 
 
 class TokenLogprob(msgspec.Struct, array_like=True, forbid_unknown_fields=True, gc=False):

@@ -109,6 +109,12 @@ class GatewayConfig:
         "'least_loaded' (the work alone), 'round_robin'",
         choices=["prefix", "least_loaded", "round_robin"],
     )
+    move_after_s: float = flag(
+        60.0,
+        "with several pools (GPUs): the requests queued on a pool that has had no worker this "
+        "long (its GPU failed, its worker cannot start) move to the pools that have one, and "
+        "resume there from what they streamed; 0: they wait for a worker of their own pool",
+    )
     nodes: str = flag(
         "",
         "other hosts sharing this Redis, to route across hosts: NAME=ENDPOINT[,NAME=ENDPOINT] "

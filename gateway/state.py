@@ -6,7 +6,8 @@ which renews this gateway's liveness key in Redis every third of its TTL (worker
 requests of a gateway whose key expired), on a clock of its own, and the housekeeping loop,
 which refreshes what the kvstore can hold (``kv_capacity``, the admission check of
 ``gateway.prepare``) and how many pools it has (``routes.pools``). With several, each request
-goes to the request stream of the pool the kvstore routes it to (``gateway.routing``).
+goes to the request stream of the pool the kvstore routes it to (``gateway.routing``), and the
+requests of a pool left without a worker move to the others (``gateway.stranded``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from gateway.metrics import Metrics
 from gateway.model_info import ModelInfo
 from gateway.router import OutputRouter
 from gateway.routing import Routes, routing_policy
+from gateway.stranded import Stranded
 
 log = logging.getLogger("pagedserve.gateway")
 QUEUE_LENGTH_TTL_S = 0.05  # back-pressure reads XLEN at most this often
@@ -61,6 +63,7 @@ class AppState:
     _kv: AsyncKVClient | None = None
     _router: OutputRouter | None = None
     _routes: Routes | None = None
+    _stranded: Stranded | None = None
     _executor: ThreadPoolExecutor | None = None
     _in_flight: set[Generation] = field(default_factory=set)
     _idle: asyncio.Event = field(default_factory=asyncio.Event)
@@ -107,6 +110,8 @@ class AppState:
         timeout_s = self.config.kvstore_timeout_s
         nodes = [(n, AsyncKVClient(e, timeout_s)) for n, e in self.config.node_endpoints()]
         self._routes = Routes(self._kv, routing_policy(self.config.routing), nodes)
+        mover = f"gateway-{self.gateway_id}"
+        self._stranded = Stranded(self._redis, self._routes, mover, self.config.move_after_s)
         self._router = OutputRouter(
             self._redis, outage_s=self.config.redis_outage_s, on_reconnect=self._renew
         )
@@ -166,7 +171,12 @@ class AppState:
             self.kv_capacity = KVCapacity(stats.admission_limit_blocks, stats.block_size)
             self.routes.pools = max(len(stats.pools), 1)
         except (KVStoreTimeout, KVStoreError):
-            pass  # /health says the kvstore is down
+            return  # /health says the kvstore is down
+        if self._stranded is not None:
+            try:
+                await self._stranded.check(stats.pools)
+            except redis.RedisError as err:
+                log.warning("cannot move the requests of a pool without a worker: %s", err)
 
     async def off_loop(self, fn: Callable[..., T], *args: object) -> T:
         """``fn(*args)`` in the app's thread pool (parsing, tokenizing): the event loop keeps

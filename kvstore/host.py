@@ -270,7 +270,7 @@ class Host:
                 i,
                 self.devices[i],
                 s.manager,
-                [w for w, pool in self._pool_of.items() if pool == i],
+                [w for w in self.services[i].leases.workers if self._pool_of.get(w) == i],
                 sum(r.pool == i for r in self._routed.values()),
                 self._queued_tokens[i],
             )

@@ -86,7 +86,10 @@ class Intake:
             )
         for entry_id, record in taken:
             self._recent[-1].add(entry_id)
-            self._enter(entry_id, record, None)
+            if record.resume:  # moved from a pool without a worker: on from what it streamed
+                room -= self.take_over(entry_id, record)
+            else:
+                self._enter(entry_id, record, None)
 
     def found(self, requests: list[tuple[str, RequestRecord]]) -> None:
         """Requests a Redis job read for this worker (now pending for it): started by the next

@@ -153,9 +153,9 @@ class WorkerRow(_Item):
 
 
 class PoolRow(_Item):
-    """One pool of the host: its device, its GPU tier, its workers, the requests it runs and
-    those routed to it that no worker admitted yet, the prefix tokens it was asked for and hit,
-    and the blocks copied into it from other pools."""
+    """One pool of the host: its device, its GPU tier, its workers (those with a live lease), the
+    requests it runs and those routed to it that no worker admitted yet, the prefix tokens it was
+    asked for and hit, and the blocks copied into it from other pools."""
 
     pool: int
     device: str

@@ -29,11 +29,13 @@ import aiohttp
 import pytest
 import redis
 
+from contracts import queue_keys
 from kvstore import protocol as p
 from kvstore.client import KVClient, KVStoreLost
 from pagedserve.redis_server import free_port
 from tests.pagedserve.test_up import up_command, up_env
 from tests.pagedserve.test_up_supervised import child_pid, wait_for
+from tests.stack import running_stack
 
 DEVICE = os.environ.get("PAGEDSERVE_FAULTS_DEVICE", "cpu")  # "cuda" on a GPU host
 # fp32 on CPU: a recomputed prefix gives the very logits a decode gave. bf16 on CUDA may not
@@ -381,3 +383,40 @@ def test_sigkill_of_one_pools_worker_leaves_the_other_pool_serving(tmp_path: Pat
 @pytest.fixture(autouse=True)
 def _no_redis_url(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("REDIS_URL", raising=False)
+
+
+def test_the_requests_of_a_pool_left_without_a_worker_move_to_the_other(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """Two pools, a worker each, nothing to restart them: pool 1's worker is SIGKILLed with the
+    20 streams in flight and never comes back. Once pool 1 has had no worker for the gateway's
+    --move-after-s, the gateway moves its requests to pool 0, where they resume from what they
+    streamed: every stream completes with the uninterrupted run's text, and pool 1's stream
+    holds nothing."""
+    tokens = 60
+    with running_stack(
+        redis_url,
+        tmp_path,
+        9,
+        "0.01GiB",
+        "--move-after-s",
+        "1",
+        kvstore_flags=["--lease-timeout-s", "2"],
+        pools=2,
+    ) as stack:
+        expected = [o.text for o in streams(stack.url, max_tokens=tokens)[0]]
+
+        def kill_pool_1() -> None:
+            with KVClient(stack.endpoint) as client:
+                workers = client.call(p.GetStats()).workers
+            kill_pid(next(w.pid for w in workers if w.worker_id == "w1"))
+
+        outcomes, _ = streams(stack.url, kill_pool_1, max_tokens=tokens)
+        completes_identically(outcomes, expected)
+        logs = "".join(path.read_text(errors="replace") for path in tmp_path.glob("gateway-*"))
+        moved = logs.count("moved from pool 1")
+        assert moved > 0, logs[-3000:]
+        print(f"{moved} requests moved from pool 1 to pool 0")
+        r = redis.Redis.from_url(stack.redis_url)
+        assert r.xlen(queue_keys.request_stream(1)) == 0
+        assert r.xlen(queue_keys.request_stream(0)) == 0  # every request ended and was acked
