@@ -9,9 +9,10 @@ from typing import Any
 
 import redis
 import redis.asyncio
+from msgspec.structs import replace
 
 from contracts import queue_gateway, queue_keys, queue_worker
-from contracts.records import OutputRecord, Streamed, StreamedSequence, encode
+from contracts.records import OutputRecord, RequestRecord, Streamed, StreamedSequence, encode
 from tests.contracts.redis_contract import V, as_bytes, collect, request, run, submit_all
 
 
@@ -146,3 +147,46 @@ def test_claim_accepts_redis7_reply_shape(r: redis.Redis) -> None:
     time.sleep(0.03)
     claimed = queue_worker.claim_stale(Redis7(r), "w2", min_idle_ms=20)  # type: ignore[arg-type]
     assert claimed == [(as_bytes(entry_id).decode(), request("a"))]
+
+
+def test_stranded_requests_move_to_another_pools_stream_to_resume(r: redis.Redis, url: str) -> None:
+    """``take_stranded`` takes what no live worker holds on a pool's stream (a dead worker's
+    pending entry once idle long enough, and an entry never read) and ``move`` queues each on
+    another pool's stream marked to resume, taking it off the first in the same transaction."""
+    here, there = queue_keys.request_stream(1), queue_keys.request_stream(0)
+    queue_worker.ensure_group(r, here)
+    r.xadd(here, {"v": V, "id": "a", "rec": encode(request("a"))})
+    r.xadd(here, {"v": V, "id": "b", "rec": encode(request("b"))})
+    read = queue_worker.read_requests(r, "w1", count=1, stream=here)  # w1 takes "a", then dies
+    assert [rec.req_id for _, rec in read] == ["a"]
+    bad = as_bytes(r.xadd(here, {"v": V, "id": "bad", "rec": b"not a record"})).decode()
+
+    async def take(min_idle_ms: int) -> list[tuple[str, RequestRecord]]:
+        client = redis.asyncio.Redis.from_url(url)
+        try:
+            return await queue_gateway.take_stranded(client, here, "mover", min_idle_ms, 10)
+        finally:
+            await client.aclose()
+
+    async def move_all(entries: list[tuple[str, RequestRecord]]) -> list[str]:
+        client = redis.asyncio.Redis.from_url(url)
+        try:
+            return [await queue_gateway.move(client, e, rec, here, there) for e, rec in entries]
+        finally:
+            await client.aclose()
+
+    assert [rec.req_id for _, rec in run(take(60_000))] == ["b"]  # "a": w1's, not idle yet
+    time.sleep(0.12)
+    stranded = run(take(100))
+    assert [rec.req_id for _, rec in stranded] == ["a", "b"]  # "b" again: the mover's, idle
+    pending = r.xpending_range(here, queue_keys.REQUEST_GROUP, "-", "+", 10)
+    assert sorted(p["consumer"] for p in pending) == [b"mover"] * 3  # the malformed one too
+
+    new_ids = run(move_all(stranded))
+    assert r.xlen(here) == 1  # the malformed entry stays, for a worker to fail
+    left = r.xpending_range(here, queue_keys.REQUEST_GROUP, "-", "+", 10)
+    assert [queue_keys.text(p["message_id"]) for p in left] == [bad]
+    moved = queue_worker.read_requests(r, "w0", count=10, stream=there)
+    assert [entry_id for entry_id, _ in moved] == new_ids
+    assert sorted((rec.req_id, rec.resume) for _, rec in moved) == [("a", True), ("b", True)]
+    assert all(rec == replace(request(rec.req_id), resume=True) for _, rec in moved)
