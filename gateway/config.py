@@ -115,6 +115,12 @@ class GatewayConfig:
         "long (its GPU failed, its worker cannot start) move to the pools that have one, and "
         "resume there from what they streamed; 0: they wait for a worker of their own pool",
     )
+    node: str = flag(
+        "",
+        "the host whose kvstore --kvstore is, when several hosts share one Redis: its requests "
+        "go to pagedserve:requests:NODE:POOL, which that host's workers (--node NODE) read; "
+        "empty: the first host (pagedserve:requests...)",
+    )
     nodes: str = flag(
         "",
         "other hosts sharing this Redis, to route across hosts: NAME=ENDPOINT[,NAME=ENDPOINT] "
@@ -123,8 +129,10 @@ class GatewayConfig:
     )
     log_level: str = options.log_level()
 
-    def __post_init__(self) -> None:
-        self.node_endpoints()  # ValueError: one line at the command line
+    def __post_init__(self) -> None:  # ValueError: one line at the command line
+        names = [name for name, _ in self.node_endpoints()]
+        if self.node and (check_node(self.node) in names):
+            raise ValueError(f"--node {self.node!r} is this gateway's own host, not one of --nodes")
 
     def node_endpoints(self) -> list[tuple[str, str]]:
         """``--nodes`` as (name, kvstore endpoint) pairs."""

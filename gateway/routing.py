@@ -39,7 +39,7 @@ def routing_policy(name: str) -> p.RoutingPolicy:
 
 @dataclass(frozen=True)
 class Placement:
-    """Where a request goes: pool ``pool`` of host ``node`` (empty: this gateway's kvstore)."""
+    """Where a request goes: pool ``pool`` of host ``node`` (empty: the first host)."""
 
     node: str
     pool: int
@@ -64,9 +64,10 @@ class Routes:
         kv: AsyncKVClient,
         policy: p.RoutingPolicy,
         nodes: Sequence[tuple[str, AsyncKVClient]] = (),
+        node: str = "",
     ) -> None:
-        self.kv, self.policy = kv, policy
-        self.hosts: list[tuple[str, AsyncKVClient]] = [("", kv), *nodes]
+        self.kv, self.policy, self.node = kv, policy, node  # node: this host's (``--node``)
+        self.hosts: list[tuple[str, AsyncKVClient]] = [(node, kv), *nodes]
         self.pools = 1  # this host's, as its kvstore's stats said last (``AppState`` sets it)
         self._waiting: list[tuple[RequestRecord, asyncio.Future[Placement]]] = []
         self._sender: asyncio.Task[None] | None = None
@@ -77,7 +78,7 @@ class Routes:
     async def pool_for(self, record: RequestRecord) -> Placement:
         """Where ``record`` goes."""
         if self.pools == 1 and len(self.hosts) == 1:
-            return Placement("", 0)
+            return Placement(self.node, 0)
         future = asyncio.get_running_loop().create_future()
         self._waiting.append((record, future))
         if self._sender is None or self._sender.done():
@@ -92,7 +93,7 @@ class Routes:
                 for record, _ in batch
             ]
             if len(self.hosts) == 1:
-                placements = await self._book("", self.kv, items)
+                placements = await self._book(self.node, self.kv, items)
             else:
                 placements = await self._across_hosts(items)
             for (_, future), placement in zip(batch, placements, strict=True):
@@ -140,7 +141,7 @@ class Routes:
         log.warning(
             "%d requests not routed by their kvstore: this host's pools in turn", len(items)
         )
-        return [Placement("", self._next_unrouted()) for _ in items]
+        return [Placement(self.node, self._next_unrouted()) for _ in items]
 
     async def _ask(self, kv: AsyncKVClient, call: p.Route) -> p.Routed | None:
         """``call``'s answer, None (logged) if the kvstore did not give one for every item."""

@@ -109,7 +109,8 @@ class AppState:
         self._kv = AsyncKVClient(self.config.kvstore, self.config.kvstore_timeout_s)
         timeout_s = self.config.kvstore_timeout_s
         nodes = [(n, AsyncKVClient(e, timeout_s)) for n, e in self.config.node_endpoints()]
-        self._routes = Routes(self._kv, routing_policy(self.config.routing), nodes)
+        policy, node = routing_policy(self.config.routing), self.config.node
+        self._routes = Routes(self._kv, policy, nodes, node)
         mover = f"gateway-{self.gateway_id}"
         self._stranded = Stranded(self._redis, self._routes, mover, self.config.move_after_s)
         self._router = OutputRouter(
@@ -224,7 +225,7 @@ class AppState:
         if fresh or now - self._queue_length_at > QUEUE_LENGTH_TTL_S:
             async with self.redis.pipeline(transaction=False) as pipe:
                 for pool in range(self.routes.pools):
-                    pipe.xlen(queue_keys.request_stream(pool))
+                    pipe.xlen(queue_keys.request_stream(pool, self.config.node))
                 lengths = await pipe.execute()
             self._queue_length = sum(int(n) for n in lengths)
             self._queue_length_at = now

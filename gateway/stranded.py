@@ -54,7 +54,7 @@ class Stranded:
         return moved
 
     async def _move_from(self, pool: int, empty_s: float) -> int:
-        src = queue_keys.request_stream(pool)
+        src = queue_keys.request_stream(pool, self.routes.node)
         idle_ms = int(self.after_s * 1000)
         stranded = await queue_gateway.take_stranded(
             self.redis, src, self.mover, idle_ms, MAX_MOVES

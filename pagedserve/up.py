@@ -27,6 +27,7 @@ from contracts import options
 from contracts.checkpoints import SMOLLM2
 from contracts.endpoints import STACK_ENDPOINT, for_port
 from contracts.options import flag
+from contracts.queue_keys import check_node
 from gateway.config import ADMIN_TOKEN_ENV, GatewayConfig
 from gateway.metrics import MULTIPROC_ENV
 from pagedserve.procs import spawn_process
@@ -63,6 +64,13 @@ class UpConfig:
         "GPUs to serve on, one KV pool each, all owned by the one kvstore (pool i on cuda:i "
         "of CUDA_VISIBLE_DEVICES; on CPU, one /dev/shm pool each); --workers run on each. "
         'The gateway routes each request to a pool (--gateway-args "--routing ...")',
+    )
+    node: str = flag(
+        "",
+        "this host's name when several hosts share one Redis (REDIS_URL): its workers and "
+        "gateways use the streams pagedserve:requests:NODE:POOL, and a gateway elsewhere "
+        'routes to it with --gateway-args "--nodes NODE=tcp://this-host:PORT" (give this '
+        "stack a TCP --endpoint and $PAGEDSERVE_KVSTORE_TOKEN); empty: the first host",
     )
     gateways: int = flag(
         1,
@@ -145,6 +153,8 @@ def run_up(config: UpConfig) -> None:
             healthy_after_s=config.healthy_after_s,
             max_restarts=config.max_restarts,
         )
+        if config.node:
+            check_node(config.node)
     except ValueError as err:
         raise SystemExit(f"pagedserve up: {err}") from None
     if config.gateways < 1:
@@ -221,6 +231,7 @@ def _start_stack(
     kvstore_ready = _ready(partial(probe_kvstore, endpoint, 1.0))
     supervisor.wait_until(kvstore_ready, timeout_s, "the kvstore")
     worker_flags = ["--model", config.model, "--kvstore", endpoint, "--redis-url", redis_url]
+    worker_flags += ["--node", config.node] if config.node else []
     worker_flags += shlex.split(config.compute_args)
     ids = worker_ids(config)
     for worker_id, pool in zip(ids, worker_pools(config), strict=True):
@@ -233,6 +244,7 @@ def _start_stack(
     log.info("workers %s: a restarted one keeps its id, takes its requests back", ", ".join(ids))
     gateway_flags = ["--model", config.model, "--host", config.host, "--port", str(config.port)]
     gateway_flags += ["--redis-url", redis_url, "--kvstore", endpoint]
+    gateway_flags += ["--node", config.node] if config.node else []
     gateway_flags += shlex.split(config.gateway_args)
     admin_token = os.environ.get(ADMIN_TOKEN_ENV) or secrets.token_urlsafe(24)
     env = {**os.environ, ADMIN_TOKEN_ENV: admin_token}

@@ -35,7 +35,7 @@ def two_hosts(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Itera
     with (
         running_stack(redis_url, first_logs, DB, "0.01GiB") as first,
         running_stack(
-            redis_url, second_logs, DB, "0.01GiB", compute_flags=["--node", "h2"]
+            redis_url, second_logs, DB, "0.01GiB", "--node", "h2", compute_flags=["--node", "h2"]
         ) as second,
     ):
         yield [first, second]
@@ -78,6 +78,18 @@ def test_requests_go_to_the_host_holding_their_prefix(two_hosts: list[Stack]) ->
     assert [(row.queued, row.queued_tokens) for row in rows] == [(0, 0), (0, 0)]
 
 
+def test_each_hosts_own_gateway_serves_on_its_own_host(two_hosts: list[Stack]) -> None:
+    """The second host's own gateway (``--node h2``) queues on that host's streams: its own
+    worker answers, and the first host's pool never sees the request."""
+    first, second = two_hosts
+    rng = random.Random(38)
+    prompt = [rng.randrange(256) for _ in range(PROMPT_TOKENS)]
+    before = pool_rows(first).prefix_queried_tokens
+    assert complete_greedy(second.url, prompt)["pool"] == "h2:0"
+    assert complete_greedy(first.url, prompt)["pool"] == "0"  # and the first host's its own
+    assert pool_rows(first).prefix_queried_tokens == before + PROMPT_TOKENS
+
+
 def test_a_host_whose_kvstore_is_gone_is_left_out(two_hosts: list[Stack]) -> None:
     first, second = two_hosts
     gone = "ipc:///tmp/pagedserve-test-no-such-host.sock"
@@ -103,3 +115,7 @@ def test_node_names_are_checked_where_they_are_given() -> None:
     for bad in ("h2", "h2=", "h2=a,h2=b", "9=a"):
         with pytest.raises(ValueError):
             GatewayConfig(nodes=bad)
+    with pytest.raises(ValueError, match="own host"):
+        GatewayConfig(node="h2", nodes="h2=ipc:///a")
+    with pytest.raises(ValueError, match="node name"):
+        GatewayConfig(node="H2")
