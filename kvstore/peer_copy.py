@@ -38,14 +38,19 @@ class PeerCopier:
         self.pools = pools
         self.route: CopyRoute = "staged"
         self._peered: set[tuple[int, int]] = set()
+        self._direct: dict[tuple[int, int], bool] = {}  # asked of CUDA once per pair
 
     def direct_possible(self, src: int, dst: int) -> bool:
-        a, b = self.pools[src].pool.device, self.pools[dst].pool.device  # with their indexes
-        if a.type != "cuda" or b.type != "cuda" or a == b:
-            return False
-        return bool(torch.cuda.can_device_access_peer(a, b)) and bool(
-            torch.cuda.can_device_access_peer(b, a)
-        )
+        if (src, dst) not in self._direct:
+            a, b = self.pools[src].pool.device, self.pools[dst].pool.device  # with indexes
+            self._direct[src, dst] = (
+                a.type == "cuda"
+                and b.type == "cuda"
+                and a != b
+                and bool(torch.cuda.can_device_access_peer(a, b))
+                and bool(torch.cuda.can_device_access_peer(b, a))
+            )
+        return self._direct[src, dst]
 
     def copy(
         self, src: int, dst: int, pairs: list[tuple[int, int]], route: CopyRoute | None = None
