@@ -139,7 +139,7 @@ def workload_flags(args: argparse.Namespace) -> tuple[str, ...]:
             "--workload", "multi-turn", "--conversations", str(args.requests // args.turns),
             "--turns", str(args.turns), "--first-prompt-len", args.prefix_len,
             "--turn-prompt-len", "64:512", "--output-len", args.output_len,
-            "--request-rate", str(args.rate),
+            "--request-rate", str(args.rate), "--think-time-s", str(args.think_time_s),
         )  # fmt: skip
     return ()
 
@@ -197,7 +197,14 @@ def main() -> None:
     parser.add_argument("--prefix-len", default="2048:6144")
     parser.add_argument("--zipf", type=float, default=0.8)
     parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--think-time-s", type=float, default=0.0, help="conversations' pause")
     parser.add_argument("--output-len", default="32:128")
+    parser.add_argument(
+        "--kv-memory",
+        default="auto",
+        help="every kvstore's --kv-memory (per pool): a fixed size in GiB makes the pools of "
+        "two machine kinds alike",
+    )
     parser.add_argument("--rate", type=float, default=30.0, help="requests (conversations) / s")
     parser.add_argument(
         "--gateways-per-gpu",
@@ -220,6 +227,7 @@ def main() -> None:
             "TPOT p50 ms | prefix hit |", "|---|---|---|---|---|---|---|"]  # fmt: skip
     results: dict[str, dict[str, Any]] = {}
     model = str(model_dir)
+    kv_args = f"--kv-memory {args.kv_memory}"
 
     def run_on(url: str, out: Path, admin_urls: list[str]) -> dict[str, Any]:
         return timed(url, model_dir, args.requests, out, admin_urls, args.client_processes, flags)
@@ -229,7 +237,11 @@ def main() -> None:
         if run == "one":
             gpu0 = {"CUDA_VISIBLE_DEVICES": "0"}
             with pagedserve_up(
-                model, args.out / "redis-one", gateways=args.gateways_per_gpu, env_extra=gpu0
+                model,
+                args.out / "redis-one",
+                kvstore_args=kv_args,
+                gateways=args.gateways_per_gpu,
+                env_extra=gpu0,
             ) as url:
                 results[run] = run_on(url, out, [url])
             name = "one GPU"
@@ -238,7 +250,11 @@ def main() -> None:
             up_args = ("--data-parallel-size", "2", f"--gateway-args=--routing {routing}")
             gateways = 2 * args.gateways_per_gpu
             with pagedserve_up(
-                model, args.out / "redis-two", gateways=gateways, up_args=up_args
+                model,
+                args.out / "redis-two",
+                kvstore_args=kv_args,
+                gateways=gateways,
+                up_args=up_args,
             ) as url:
                 results[run] = run_on(url, out, [url])
             name = f"two GPUs, one endpoint (--routing {routing})"
@@ -249,6 +265,7 @@ def main() -> None:
                         pagedserve_up(
                             model,
                             args.out / f"redis-pair{gpu}",
+                            kvstore_args=kv_args,
                             gateways=args.gateways_per_gpu,
                             env_extra={"CUDA_VISIBLE_DEVICES": str(gpu)},
                         )

@@ -6,7 +6,11 @@ the link's ceiling in the same process.
 
 Both pools are ``DevicePools`` of the 1B (0.5 MiB blocks) or 8B (2 MiB blocks) shape, 4096
 blocks each; block ids drawn at random (as a pool's allocator hands them out after a while).
-The median of 5 timed copies after a warm-up.
+The median of 5 timed copies after a warm-up, two ways: ``ms`` as the daemon waits for it
+(host wall time from the call to its synchronised end: the ids' upload, the launch, the kernel,
+the wait) and ``GPU ms`` the kernel alone (``push``/``pull``: CUDA events around the same
+``copy_blocks_between`` launch, ids already on the GPU), each against the 256 MiB copy timed the
+same way.
 
     python bench/peer_copy.py --shape 8b [--sizes 1,4,16,64,256,1024] [--routes push,pull,staged]
 """
@@ -34,18 +38,47 @@ GEOMETRY = {
 }
 
 
-def contiguous_gbps(src: torch.device, dst: torch.device, nbytes: int = 256 << 20) -> float:
+def contiguous_gbps(
+    src: torch.device, dst: torch.device, nbytes: int = 256 << 20
+) -> tuple[float, float]:
+    """One contiguous ``nbytes`` copy ``src`` -> ``dst``: GB/s by host wall time (synchronised)
+    and by CUDA events on the destination's stream."""
     a = torch.empty(nbytes, dtype=torch.uint8, device=src)
     b = torch.empty(nbytes, dtype=torch.uint8, device=dst)
+    times, gpu = [], []
+    with torch.cuda.device(dst):
+        for _ in range(6):
+            torch.cuda.synchronize(src)
+            torch.cuda.synchronize(dst)
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start = time.perf_counter()
+            begin.record()
+            b.copy_(a)
+            end.record()
+            torch.cuda.synchronize(dst)
+            times.append(time.perf_counter() - start)
+            gpu.append(begin.elapsed_time(end) / 1e3)
+    return nbytes / statistics.median(times[1:]) / 1e9, nbytes / statistics.median(gpu[1:]) / 1e9
+
+
+def kernel_seconds(
+    src: DevicePools, dst: DevicePools, pairs: list[tuple[int, int]], push: bool
+) -> float:
+    """The GPU time of one ``copy_blocks_between`` launch (median of 5 after a warm-up)."""
+    from kernels import copy_blocks_between
+
+    runner = src if push else dst
+    ids = torch.tensor(pairs, dtype=torch.int64, device=runner.device).T.contiguous()
     times = []
-    for _ in range(6):
-        torch.cuda.synchronize(src)
-        torch.cuda.synchronize(dst)
-        start = time.perf_counter()
-        b.copy_(a)
-        torch.cuda.synchronize(dst)
-        times.append(time.perf_counter() - start)
-    return nbytes / statistics.median(times[1:]) / 1e9
+    with torch.cuda.device(runner.device):
+        for _ in range(6):
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            copy_blocks_between(src.pool, dst.pool, ids[0], ids[1])
+            end.record()
+            end.synchronize()
+            times.append(begin.elapsed_time(end) / 1e3)
+    return statistics.median(times[1:])
 
 
 def main() -> None:
@@ -60,9 +93,15 @@ def main() -> None:
     dst = DevicePools(geometry, 16, args.blocks, 0, "cuda:1")
     copier = PeerCopier([src, dst])
     src.pool.view(torch.int16).random_()  # random bits: every copy is checked bit for bit
-    ceiling = contiguous_gbps(src.device, dst.device)
-    print(f"contiguous 256 MiB peer copy cuda:0 -> cuda:1: {ceiling:.0f} GB/s")
-    print("| route | blocks | MiB | ms | GB/s | of the 256 MiB copy |\n|---|---|---|---|---|---|")
+    ceiling, gpu_ceiling = contiguous_gbps(src.device, dst.device)
+    print(
+        f"contiguous 256 MiB peer copy cuda:0 -> cuda:1: {ceiling:.0f} GB/s "
+        f"({gpu_ceiling:.0f} GB/s by CUDA events)"
+    )
+    print(
+        "| route | blocks | MiB | ms | GB/s | of the 256 MiB copy | GPU ms | of it, GPU times |\n"
+        "|---|---|---|---|---|---|---|---|"
+    )
     routes: list[CopyRoute] = [r for r in ("push", "pull", "staged") if r in args.routes]
     for route in routes:
         gen = torch.Generator().manual_seed(0)
@@ -74,9 +113,14 @@ def main() -> None:
             assert torch.equal(dst.pool[[d for _, d in pairs]].view(torch.int16), want), route
             gbps = n * src.block_bytes / seconds / 1e9
             mib = n * src.block_bytes / 2**20
+            gpu = ""
+            if route != "staged":
+                on_gpu = kernel_seconds(src, dst, pairs, route == "push")
+                gpu_gbps = n * src.block_bytes / on_gpu / 1e9
+                gpu = f" {on_gpu * 1e3:.3f} | {gpu_gbps / gpu_ceiling:.2f} |"
             print(
                 f"| {route} | {n} | {mib:.1f} | {seconds * 1e3:.3f} | {gbps:.0f} "
-                f"| {gbps / ceiling:.2f} |"
+                f"| {gbps / ceiling:.2f} |{gpu or ' | |'}"
             )
     price = copier.calibrate()
     print(f"the kvstore's calibration: route {copier.route}, {price}")

@@ -150,6 +150,7 @@ class Host:
                 len(m.requests),
                 self._queued_tokens[i],
                 bool(self.services[i].leases.workers),
+                max(m.pool.num_free - m.watermark_blocks, 0),
             )
             for i, (m, hit) in enumerate(zip(managers, hits, strict=True))
         ]

@@ -39,6 +39,7 @@ class PeerCopier:
         self.route: CopyRoute = "staged"
         self._peered: set[tuple[int, int]] = set()
         self._direct: dict[tuple[int, int], bool] = {}  # asked of CUDA once per pair
+        self._ids = torch.empty(0, dtype=torch.int64)  # pinned: the ids' upload, reused
 
     def direct_possible(self, src: int, dst: int) -> bool:
         if (src, dst) not in self._direct:
@@ -60,7 +61,10 @@ class PeerCopier:
         route = route or self.route
         if route != "staged" and self.direct_possible(src, dst):
             self._open_peers(src, dst)
-            return copy_direct(self.pools[src], self.pools[dst], pairs, route == "push")
+            if len(self._ids) < 2 * len(pairs):
+                self._ids = torch.empty(max(2 * len(pairs), 4096), dtype=torch.int64).pin_memory()
+            push = route == "push"
+            return copy_direct(self.pools[src], self.pools[dst], pairs, push, self._ids)
         return copy_staged(self.pools[src], self.pools[dst], pairs)
 
     def calibrate(self, src: int = 0, dst: int = 1) -> LinearCost | None:
@@ -141,20 +145,29 @@ def random_pairs(
 
 
 def copy_direct(
-    src: DevicePools, dst: DevicePools, pairs: list[tuple[int, int]], push: bool
+    src: DevicePools,
+    dst: DevicePools,
+    pairs: list[tuple[int, int]],
+    push: bool,
+    pinned: torch.Tensor | None = None,
 ) -> float:
     """One ``copy_blocks_between`` launch on the source's stream (``push``) or the
-    destination's, after the work queued on the other's; returns seconds, synchronised."""
+    destination's, after the work queued on the other's; returns seconds, synchronised.
+    ``pinned``: a pinned int64 buffer of at least 2 x len(pairs) ids for the ids' upload (free
+    again once this returns), else a pageable upload."""
     from kernels import copy_blocks_between
 
     start = time.perf_counter()
     if not pairs:
         return 0.0
+    n = len(pairs)
+    flat = torch.tensor([s for s, _ in pairs] + [d for _, d in pairs], dtype=torch.int64)
+    host = flat if pinned is None else pinned[: 2 * n].copy_(flat)
     runner, other = (src, dst) if push else (dst, src)
     with torch.cuda.device(runner.device), torch.cuda.stream(runner.stream):
         runner.stream.wait_stream(other.stream)
-        ids = torch.tensor(pairs, dtype=torch.int64).T.contiguous().to(runner.device)
-        copy_blocks_between(src.pool, dst.pool, ids[0], ids[1])
+        ids = host.to(runner.device, non_blocking=pinned is not None)
+        copy_blocks_between(src.pool, dst.pool, ids[:n], ids[n:])
     runner.stream.synchronize()
     return time.perf_counter() - start
 

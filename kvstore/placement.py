@@ -8,10 +8,15 @@ routed to it that no worker admitted yet. The ``prefix`` policy prices each pool
     + the request's own prefill there, after what that pool has cached
       or, where another pool caches more: copying the difference over + the rest's prefill,
       whichever is cheaper
+    + what the blocks it allocates there displace: each block beyond the pool's empty ones
+      evicts a cached block, priced as recomputing it (``EVICTED_BLOCK_WEIGHT``)
 
 and takes the cheapest pool; a pool without room for the request is taken only when no pool has
 room, a pool no live worker serves only when none has one. A prefix hot on a saturated pool
-therefore goes elsewhere once waiting there costs more than a copy. ``least_loaded`` prices the
+therefore goes elsewhere once waiting there costs more than a copy and what the copy evicts:
+on pools full of cached prefixes, a prefix stays on one pool until its wait there exceeds about
+its own prefill, so the pools hold different prefixes (together up to the sum of their sizes)
+instead of the same hot ones twice. ``least_loaded`` prices the
 wait alone (the request's own prefill at full length); ``round_robin`` takes pools in turn (all
 of them: the baseline knows nothing). The prices (``Prices``) come from the workers' measured
 prefill profiles and the daemon's measured peer copies.
@@ -27,6 +32,10 @@ from kvstore.protocol import Bring, RoutingPolicy
 # decode costs its pool about what prefilling this many tokens does (one token of compute, but
 # the read of its context).
 RUNNING_TOKEN_WEIGHT = 16
+# What evicting a cached block costs, in recomputes of it: the LRU victim is the block least
+# likely to be asked for again, but a pool full of prefixes holds the working set, and a copy of
+# a prefix another pool holds takes room from one nobody else does.
+EVICTED_BLOCK_WEIGHT = 1.0
 
 
 @dataclass(frozen=True)
@@ -42,6 +51,7 @@ class PoolView:
     running: int
     queued_tokens: int
     serving: bool = True  # a worker of the pool holds a live lease
+    empty_blocks: int | None = None  # of free_blocks, those holding no cached KV (None: all)
 
 
 @dataclass(frozen=True)
@@ -76,6 +86,14 @@ def wait_s(view: PoolView, prices: Prices) -> float:
     """What a request placed on ``view``'s pool waits for: the queued prefills there and a share
     of the steps of every running sequence."""
     return prices.prefill_s(view.queued_tokens + RUNNING_TOKEN_WEIGHT * view.running)
+
+
+def evicted_s(view: PoolView, new_blocks: int, block_size: int, prices: Prices) -> float:
+    """What allocating ``new_blocks`` on ``view``'s pool displaces: the cached blocks it evicts
+    once the empty ones are taken, priced as recomputing them."""
+    empty = view.free_blocks if view.empty_blocks is None else view.empty_blocks
+    evicted = max(new_blocks - max(empty, 0), 0)
+    return EVICTED_BLOCK_WEIGHT * prices.prefill_s(evicted * block_size)
 
 
 def bring(
@@ -118,11 +136,14 @@ def choose_pool(
         i = turn % len(views)
         _, how, cached = brought[i]
         return Placed(views[i].pool, cached, how, "round robin", ())
+    need = needed_blocks(num_tokens, block_size, lookahead)
     if policy == "least_loaded":
         costs = [wait_s(v, prices) + prices.prefill_s(num_tokens) for v in views]
     else:
-        costs = [wait_s(v, prices) + own for v, (own, _, _) in zip(views, brought, strict=True)]
-    need = needed_blocks(num_tokens, block_size, lookahead)
+        costs = [
+            wait_s(v, prices) + own + evicted_s(v, need - v.cached_blocks, block_size, prices)
+            for v, (own, _, _) in zip(views, brought, strict=True)
+        ]
     serving = [i for i, v in enumerate(views) if v.serving] or list(range(len(views)))
     roomy = [i for i in serving if views[i].free_blocks >= need - views[i].cached_blocks]
     i = min(roomy or serving, key=lambda j: (costs[j], j))

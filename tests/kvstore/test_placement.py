@@ -15,6 +15,7 @@ from kvstore.placement import (
     Prices,
     bring,
     choose_pool,
+    evicted_s,
     needed_blocks,
     wait_s,
 )
@@ -88,6 +89,41 @@ def test_a_prefix_on_a_busy_pool_is_copied_to_an_idle_one_once_waiting_costs_mor
         assert (placed.pool, placed.cached_tokens, placed.bring) == (0, 32, "cached")
 
 
+@pytest.mark.parametrize("queued", [0, 11, 12, 13, 75, 76, 77])
+def test_on_full_pools_a_prefix_is_copied_only_once_waiting_costs_what_the_copy_evicts(
+    queued: int,
+) -> None:
+    """Both pools are full of cached blocks (none empty). 72 tokens, 4 blocks cached on pool 0,
+    need 5 blocks (2 lookahead slots). Pool 0: its wait + 8 tokens' prefill + 1 block evicted
+    (16 s). Pool 1: a copy of 4 blocks (4 + 4 x 2 = 12 s) + 8 + 5 blocks evicted (80 s). So
+    the prefix moves once pool 0's wait exceeds 12 + 80 - 16 = 76 s, not 12 s as on empty
+    pools: full pools keep different prefixes instead of the same ones twice."""
+    assert needed_blocks(72, BS, 2) == 5
+    assert evicted_s(view(0, free=10), 5, BS, PRICES) == 0.0  # empty_blocks None: all empty
+    full = [
+        PoolView(0, 4, ROOMY, 0, queued, empty_blocks=0),
+        PoolView(1, 0, ROOMY, 0, 0, empty_blocks=0),
+    ]
+    assert evicted_s(full[1], 5, BS, PRICES) == 80.0
+    placed = choose_pool(full, 72, BS, PRICES, "prefix", 0)
+    assert placed.predicted_s == (queued + 8.0 + 16.0, 12.0 + 8.0 + 80.0)
+    assert placed.pool == (1 if queued > 76 else 0)
+    assert placed.bring == ("copy" if queued > 76 else "cached")
+    # with 5 empty blocks on pool 1, nothing is evicted there, while pool 0 evicts a block for
+    # the question's: the copy (20 s) beats even an idle pool 0 (24 s)
+    roomy = [full[0], PoolView(1, 0, ROOMY, 0, 0, empty_blocks=5)]
+    placed = choose_pool(roomy, 72, BS, PRICES, "prefix", 0)
+    assert placed.predicted_s == (queued + 8.0 + 16.0, 12.0 + 8.0)
+    assert (placed.pool, placed.bring) == (1, "copy")
+    # two empty blocks there: 3 evicted (48 s)
+    assert evicted_s(PoolView(1, 0, ROOMY, 0, 0, empty_blocks=2), 5, BS, PRICES) == 48.0
+    # least loaded and round robin price no eviction
+    assert choose_pool(full, 72, BS, PRICES, "least_loaded", 0).predicted_s == (
+        queued + 72.0,
+        72.0,
+    )
+
+
 def test_bring_copies_when_cheaper_than_recomputing() -> None:
     idle = view(1)
     assert bring(idle, 2, 40, BS, PRICES) == (16.0, "copy", 32)  # 4 + 2 x 2 + 8 < 40
@@ -108,7 +144,8 @@ def test_a_pool_without_room_is_avoided_unless_no_pool_has_room() -> None:
     placed = choose_pool(views, 40, BS, PRICES, "prefix", 0)
     assert (placed.pool, placed.bring, placed.cached_tokens) == (0, "copy", 32)
     assert placed.reason == "cheapest (copy)"
-    assert placed.predicted_s == (16.0, 8.0)  # pool 1 is cheaper, but has no room
+    # pool 1 is cheaper (8 s, + 16 s for the block it would evict), but has no room
+    assert placed.predicted_s == (16.0, 24.0)
     views = [view(0, free=3), view(1, cached=2, free=1)]  # exactly the block it needs
     assert choose_pool(views, 40, BS, PRICES, "prefix", 0).pool == 1
     views = [view(0, free=2), view(1, cached=2, free=0)]  # neither: the cheapest anyway
