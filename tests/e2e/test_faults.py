@@ -392,7 +392,8 @@ def test_the_requests_of_a_pool_left_without_a_worker_move_to_the_other(
     20 streams in flight and never comes back. Once pool 1 has had no worker for the gateway's
     --move-after-s, the gateway moves its requests to pool 0, where they resume from what they
     streamed: every stream completes with the uninterrupted run's text, and pool 1's stream
-    holds nothing."""
+    holds nothing. What they computed on pool 1 (prompt and generated tokens, in pool 1's
+    prefix index) is copied into pool 0 (``--peer-copy always``), not recomputed."""
     tokens = 60
     with running_stack(
         redis_url,
@@ -401,18 +402,26 @@ def test_the_requests_of_a_pool_left_without_a_worker_move_to_the_other(
         "0.01GiB",
         "--move-after-s",
         "1",
-        kvstore_flags=["--lease-timeout-s", "2"],
+        kvstore_flags=["--lease-timeout-s", "2", "--peer-copy", "always"],
         pools=2,
     ) as stack:
         expected = [o.text for o in streams(stack.url, max_tokens=tokens)[0]]
+
+        def copied_into_pool_0() -> int:
+            with KVClient(stack.endpoint) as client:
+                return client.call(p.GetStats()).pools[0].copied_in_blocks
 
         def kill_pool_1() -> None:
             with KVClient(stack.endpoint) as client:
                 workers = client.call(p.GetStats()).workers
             kill_pid(next(w.pid for w in workers if w.worker_id == "w1"))
 
+        before = copied_into_pool_0()
         outcomes, _ = streams(stack.url, kill_pool_1, max_tokens=tokens)
         completes_identically(outcomes, expected)
+        copied = copied_into_pool_0() - before
+        assert copied > 0  # the moved requests' blocks came over from pool 1
+        print(f"{copied} blocks copied from pool 1 into pool 0 for the moved requests")
         logs = "".join(path.read_text(errors="replace") for path in tmp_path.glob("gateway-*"))
         moved = logs.count("moved from pool 1")
         assert moved > 0, logs[-3000:]
