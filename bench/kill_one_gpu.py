@@ -4,8 +4,9 @@ GPU serve on at its speed?
 ``pagedserve up --data-parallel-size 2`` (a worker per GPU, ``--gateways-per-gpu`` gateway
 processes per GPU) serves the random workload of ``bench/http_serve.py`` (chat, prompts
 64-1024 tokens, ``max_tokens`` 32-512, ``ignore_eos``) as Poisson arrivals at ``--rate``
-requests/s, driven by ``pagedserve bench``; ``--kill-after`` seconds into the run the worker of
-pool 1 gets SIGKILL (``pagedserve up`` restarts it under its id; its requests resume there).
+requests/s, driven by ``pagedserve bench``; ``--kill-after`` seconds after the first of them runs
+(the client builds its requests first) the worker of pool 1 gets SIGKILL (``pagedserve up``
+restarts it under its id; its requests resume there).
 
 Each response says which pool served it (``X-PagedServe-Pool``). The outage is read from the
 data: the longest silence between two chunks of pool 1's streams. Reported: requests completed
@@ -34,7 +35,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.http_serve import pagedserve_up  # noqa: E402
+from bench.http_serve import admin, pagedserve_up  # noqa: E402
 from bench.shapes import checkpoint  # noqa: E402
 
 
@@ -111,12 +112,26 @@ def main() -> None:
         command += ["--num-requests", str(requests), "--request-rate", str(args.rate)]
         command += ["--result-json", str(result_path)]
         client = subprocess.Popen(command, cwd=ROOT)
+        wait_for_load(url)  # the client builds its requests first (seconds, with a tokenizer)
         time.sleep(args.kill_after)
         victim = worker_pid(1)
         os.kill(victim, signal.SIGKILL)
-        print(f"SIGKILL to pool 1's worker (pid {victim}) {args.kill_after:.0f} s in", flush=True)
+        print(
+            f"SIGKILL to pool 1's worker (pid {victim}) {args.kill_after:.0f} s after the "
+            "first requests ran",
+            flush=True,
+        )
         client.wait(timeout=3600)
         report(result_path, requests)  # before the stack stops: that may take a while
+
+
+def wait_for_load(url: str, timeout_s: float = 300.0) -> None:
+    """Returns once the kvstore runs a request (the timed run's first: the warm-up ended)."""
+    deadline = time.monotonic() + timeout_s
+    while sum(pool["running"] for pool in admin(url, "/admin/cache")["pools"]) == 0:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no request ran within {timeout_s:.0f} s")
+        time.sleep(0.05)
 
 
 def report(result_path: Path, requests: int) -> None:

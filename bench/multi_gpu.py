@@ -125,12 +125,17 @@ def timed(
     return result
 
 
+def popularity(zipf: float) -> str:
+    """``--prefix-popularity`` of ``--zipf`` (0: the prefixes in turn)."""
+    return f"zipf:{zipf}" if zipf > 0 else "uniform"
+
+
 def workload_flags(args: argparse.Namespace) -> tuple[str, ...]:
     """The ``pagedserve bench`` flags of ``--workload`` (none: the random burst)."""
     if args.workload == "tenants":
         return (
             "--workload", "shared-prefix", "--num-prefixes", str(args.prefixes),
-            "--prefix-len", args.prefix_len, "--prefix-popularity", f"zipf:{args.zipf}",
+            "--prefix-len", args.prefix_len, "--prefix-popularity", popularity(args.zipf),
             "--input-len", "64:512", "--output-len", args.output_len,
             "--request-rate", str(args.rate),
         )  # fmt: skip
@@ -156,10 +161,10 @@ def ideal_hit_rate(args: argparse.Namespace, model_dir: Path) -> float:
     config = BenchConfig(
         workload="shared-prefix", num_requests=args.requests, input_len="64:512",
         output_len=args.output_len, prefix_len=args.prefix_len, num_prefixes=args.prefixes,
-        prefix_popularity=f"zipf:{args.zipf}", tokenizer=str(model_dir),
+        prefix_popularity=popularity(args.zipf), tokenizer=str(model_dir),
     )  # fmt: skip
     prompts = [group[0].text for group in requests_of(config)]
-    picks = prefix_picks(args.requests, args.prefixes, args.zipf, config.seed)
+    picks = prefix_picks(args.requests, args.prefixes, args.zipf or None, config.seed)
     tokenizer = load_tokenizer(str(model_dir))
     hits = 0
     for prefix in set(picks):
@@ -195,7 +200,9 @@ def main() -> None:
     )
     parser.add_argument("--prefixes", type=int, default=256)
     parser.add_argument("--prefix-len", default="2048:6144")
-    parser.add_argument("--zipf", type=float, default=0.8)
+    parser.add_argument(
+        "--zipf", type=float, default=0.8, help="prefix popularity (0: the prefixes in turn)"
+    )
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--think-time-s", type=float, default=0.0, help="conversations' pause")
     parser.add_argument("--output-len", default="32:128")

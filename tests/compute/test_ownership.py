@@ -52,6 +52,11 @@ ALLOWED = {
     ("fused.py", "module."): "fuses a transformers module in place",
     ("fused.py", "lin."): "a projection becomes a view of the merged weight",
     ("fused.py", "setattr("): "registers the merged weights on the module",
+    # load-time model surgery for tensor parallelism, on a model built on the meta device
+    ("sharding.py", "attn."): "an attention's projections become its rank's parallel layers",
+    ("sharding.py", "mlp."): "an MLP's projections become its rank's parallel layers",
+    ("sharding.py", "model."): "the embedding and LM head become vocabulary-parallel",
+    ("sharding.py", "setattr("): "a meta parameter becomes the tensor read from the checkpoint",
 }
 
 
