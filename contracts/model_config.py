@@ -76,8 +76,22 @@ def resolve_dtype(config: Any, dtype: str, device: str) -> str:
     return "bfloat16" if dtype == "float32" and device.startswith("cuda") else dtype
 
 
-def kv_geometry(config: Any, dtype: str) -> KVGeometry:
-    """KV geometry from a transformers config; ``dtype`` 'auto' takes the config's own."""
+def heads_per_rank(num_heads: int, size: int) -> int:
+    """The heads each rank of a tensor-parallel group of ``size`` holds: an equal share, or, with
+    fewer heads than ranks (GQA's KV heads), one head that ``size / num_heads`` ranks share
+    (replicated, as vLLM does)."""
+    if num_heads >= size:
+        if num_heads % size:
+            raise ValueError(f"{num_heads} heads do not split over {size} ranks")
+        return num_heads // size
+    if size % num_heads:
+        raise ValueError(f"{size} ranks do not share {num_heads} heads evenly")
+    return 1
+
+
+def kv_geometry(config: Any, dtype: str, tensor_parallel_size: int = 1) -> KVGeometry:
+    """KV geometry from a transformers config; ``dtype`` 'auto' takes the config's own. With
+    ``tensor_parallel_size`` > 1: one rank's (its KV heads, ``heads_per_rank``)."""
     text = getattr(config, "get_text_config", lambda: config)()
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
@@ -87,7 +101,9 @@ def kv_geometry(config: Any, dtype: str) -> KVGeometry:
         raise ValueError(f"unsupported KV dtype {dtype!r}; choose one of {sorted(DTYPE_BYTES)}")
     return KVGeometry(
         num_layers=text.num_hidden_layers,
-        num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+        num_kv_heads=heads_per_rank(
+            getattr(text, "num_key_value_heads", None) or heads, tensor_parallel_size
+        ),
         head_dim=head_dim,
         dtype=dtype,
     )

@@ -24,6 +24,14 @@ from compute.model.attention import ATTN_NAME, PagedBatch, copy_blocks_inplace
 from compute.model.block_tables import DeviceBlockTables, TableRows
 from compute.model.graphs import DecodeGraphs
 from compute.model.mixed_graphs import MIXED_GRAPH_MODEL_TYPES, MixedGraphs
+from compute.parallel.layers import TPGroup
+from compute.parallel.step_plan import (
+    PlannedChunk,
+    StepPlan,
+    broadcast_fed,
+    receive_plan,
+    send_plan,
+)
 from compute.transfer import to_device
 from contracts.model_config import kv_geometry
 from kvstore import protocol as p
@@ -92,6 +100,7 @@ class ModelRunner:
         cuda_graph_max_tokens: int = 0,
         max_chunks: int = 256,
         cuda_graph_token_buckets: Sequence[int] = (),
+        group: TPGroup | None = None,
     ) -> None:
         """``cuda_graph_max_batch`` > 0 (CUDA only): capture decode forwards of up to that many
         requests as CUDA graphs now, and replay them for decode-only steps.
@@ -99,7 +108,9 @@ class ModelRunner:
         to that many tokens in up to ``max_chunks`` chunks (``compute.model.mixed_graphs``), and
         replay them for the other steps that fit; ``cuda_graph_token_buckets``: only graphs of these
         token counts (a profile's scratch runner; default: ``token_buckets``). ``startup_s``:
-        the seconds construction spent compiling kernels and capturing each kind of graph."""
+        the seconds construction spent compiling kernels and capturing each kind of graph.
+        ``group``: the model is this rank's shards (``compute.parallel``) and ``pool`` its KV
+        heads; rank 0 sends every call to the other ranks, which ``follow`` it."""
         config = model.config
         if config._attn_implementation != ATTN_NAME:
             raise ValueError(
@@ -107,7 +118,8 @@ class ModelRunner:
                 f"got {config._attn_implementation!r}"
             )
         dtype = str(model.dtype).removeprefix("torch.")
-        geometry = kv_geometry(config, dtype)
+        self.group = group
+        geometry = kv_geometry(config, dtype, group.size if group is not None else 1)
         want = (
             geometry.num_layers,
             2,
@@ -130,7 +142,8 @@ class ModelRunner:
         if pool.is_cuda:  # no Triton compile mid-traffic
             from kernels import compile_variants
 
-            compile_variants(pool[:, 0, 0], pool[:, 0, 1], int(config.num_attention_heads))
+            heads = int(config.num_attention_heads) // (group.size if group is not None else 1)
+            compile_variants(pool[:, 0, 0], pool[:, 0, 1], heads)
             self.startup_s["kernels"] = time.perf_counter() - started
         self.graphs: DecodeGraphs | None = None
         # a table reaches past its last token (the kvstore's ``LOOKAHEAD_SLOTS``)
@@ -175,6 +188,8 @@ class ModelRunner:
         destination blocks."""
         if not copies:
             return
+        if (group := self._leader_group()) is not None:
+            send_plan(StepPlan("copy", copies=list(copies)), group, self.device)
         src = to_device([s for s, _ in copies], self.device)  # [N]
         dst = to_device([d for _, d in copies], self.device)  # [N]
         copy_blocks_inplace(self.pool, src, dst)
@@ -272,6 +287,8 @@ class ModelRunner:
         batch order (K = B without ``every_row`` chunks). ``feed``: chunks whose
         token is taken from the device (their host token id is a placeholder). Enqueues the
         work; waits for the device only where an eager model does."""
+        if (group := self._leader_group()) is not None:
+            self._send_forward(batch, feed, group)
         packed = self.pack(batch)  # once: every path below takes its lists
         width = packed.width
         graphs, mixed = self.graphs, self.mixed
@@ -315,6 +332,51 @@ class ModelRunner:
         out = self.model(**inputs, use_cache=False, paged=paged)
         self.last_path = "eager"
         return out.logits[0].float()  # [B, vocab]
+
+    # ------------------------------------------------------------------ tensor parallel
+    def _leader_group(self) -> TPGroup | None:
+        """The group, if this rank leads one (rank 0 of several)."""
+        group = self.group
+        return group if group is not None and group.size > 1 and group.rank == 0 else None
+
+    def _send_forward(
+        self, batch: Sequence[ScheduledChunk], feed: Feed | None, group: TPGroup
+    ) -> None:
+        chunks = [
+            PlannedChunk(list(c.token_ids), c.start, list(c.block_ids), c.every_row, c.key)
+            for c in batch
+        ]
+        rows = 0 if feed is None else len(feed.source)
+        fed = ([], []) if feed is None else (feed.rows, feed.chunks)
+        plan = StepPlan("forward", chunks, rows, list(fed[0]), list(fed[1]))
+        send_plan(plan, group, self.device)
+        if feed is not None:
+            broadcast_fed(feed.source, rows, group, self.device)
+
+    def follow(self) -> None:
+        """A rank other than 0: runs every call rank 0 sends, until it sends ``stop``."""
+        assert self.group is not None and self.group.rank > 0, "rank 0 leads, it does not follow"
+        while True:
+            plan = receive_plan(self.group, self.device)
+            if plan.kind == "stop":
+                return
+            if plan.kind == "copy":
+                self.copy_blocks(plan.copies)
+                continue
+            feed = None
+            if plan.fed_len:
+                source = broadcast_fed(None, plan.fed_len, self.group, self.device)
+                feed = Feed(source, plan.fed_rows, plan.fed_chunks)
+            batch = [
+                ScheduledChunk(c.token_ids, c.start, c.block_ids, c.every_row, c.key)
+                for c in plan.chunks
+            ]
+            self.forward(batch, feed)
+
+    def stop_followers(self) -> None:
+        """Rank 0: the other ranks' ``follow`` returns."""
+        if (group := self._leader_group()) is not None:
+            send_plan(StepPlan("stop"), group, self.device)
 
     def _table_rows(self, batch: Sequence[ScheduledChunk], width: int) -> TableRows:
         """The step's block tables as rows of ``self.tables`` and the writes they need."""

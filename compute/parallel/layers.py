@@ -27,6 +27,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional
 
+from contracts.model_config import heads_per_rank
+
 __all__ = [
     "ColumnParallelLinear",
     "ParallelLMHead",
@@ -77,18 +79,12 @@ class TensorSlice:
 
 
 def head_rows(num_heads: int, head_dim: int, group: TPGroup) -> TensorSlice:
-    """The rows of a q, k or v projection that serve this rank's heads: ``num_heads / size``
-    heads each, or, with fewer heads than ranks (GQA's KV heads), one head that ``size /
-    num_heads`` consecutive ranks share (replicated, as vLLM does)."""
-    if num_heads >= group.size:
-        if num_heads % group.size:
-            raise ValueError(f"{num_heads} heads do not split over {group.size} ranks")
-        per = num_heads // group.size
-        return TensorSlice(0, group.rank * per * head_dim, (group.rank + 1) * per * head_dim)
-    if group.size % num_heads:
-        raise ValueError(f"{group.size} ranks do not share {num_heads} heads evenly")
-    head = group.rank * num_heads // group.size
-    return TensorSlice(0, head * head_dim, (head + 1) * head_dim)
+    """The rows of a q, k or v projection that serve this rank's heads (``heads_per_rank``:
+    an equal share, or one head that consecutive ranks share when there are fewer heads than
+    ranks)."""
+    per = heads_per_rank(num_heads, group.size)
+    first = group.rank * per if num_heads >= group.size else group.rank * num_heads // group.size
+    return TensorSlice(0, first * head_dim, (first + per) * head_dim)
 
 
 def even_slice(n: int, dim: int, group: TPGroup) -> TensorSlice:

@@ -19,6 +19,7 @@ from transformers.generation.utils import GenerateOutput
 
 from compute.model.attention import ATTN_NAME
 from compute.model.runner import ModelRunner, ScheduledChunk
+from compute.parallel.layers import TPGroup
 from contracts.model_config import kv_geometry
 from kvstore.manager import KVCacheManager
 
@@ -51,25 +52,20 @@ class GreedyDriver:
     token_budget: int | None = None  # max tokens per step; None packs everything pending
     cuda_graph_max_batch: int = 0  # > 0: decode steps replay CUDA graphs (CUDA only)
     cuda_graph_max_tokens: int = 0  # > 0: other steps replay graphs of mixed steps (CUDA only)
+    group: TPGroup | None = None  # rank 0 of a tensor-parallel group: ``model`` is its shards
     seqs: dict[str, Seq] = field(default_factory=dict)
     steps: list[list[tuple[str, int, int]]] = field(default_factory=list)  # (req, start, n)
 
     def __post_init__(self) -> None:
-        geo = kv_geometry(self.model.config, str(self.model.dtype).removeprefix("torch."))
-        shape = (
-            self.num_blocks,
-            geo.num_layers,
-            2,
-            self.block_size,
-            geo.num_kv_heads,
-            geo.head_dim,
-        )
-        # Garbage, not zeros: reading a slot that was never written changes the output.
-        gen = torch.Generator().manual_seed(1234)
-        pool = (torch.randn(shape, generator=gen) * 10).to(self.model.device, self.model.dtype)
+        pool = garbage_pool(self.model, self.num_blocks, self.block_size, self.group)
         self.manager = KVCacheManager(self.num_blocks, 0, self.block_size)
         self.runner = ModelRunner(
-            self.model, pool, self.block_size, self.cuda_graph_max_batch, self.cuda_graph_max_tokens
+            self.model,
+            pool,
+            self.block_size,
+            self.cuda_graph_max_batch,
+            self.cuda_graph_max_tokens,
+            group=self.group,
         )
         self.pending_copies: list[tuple[int, int]] = []
 
@@ -137,6 +133,18 @@ class GreedyDriver:
     def run(self) -> None:
         while any(not s.done for s in self.seqs.values()):
             self.step()
+
+
+def garbage_pool(
+    model: PreTrainedModel, num_blocks: int, block_size: int, group: TPGroup | None = None
+) -> torch.Tensor:
+    """A pool for ``model`` (its rank's KV heads in a group) full of garbage, not zeros: reading a
+    slot that was never written changes the output."""
+    size = group.size if group is not None else 1
+    geo = kv_geometry(model.config, str(model.dtype).removeprefix("torch."), size)
+    shape = (num_blocks, geo.num_layers, 2, block_size, geo.num_kv_heads, geo.head_dim)
+    gen = torch.Generator().manual_seed(1234)
+    return (torch.randn(shape, generator=gen) * 10).to(model.device, model.dtype)
 
 
 def reference_model(model: PreTrainedModel) -> PreTrainedModel:

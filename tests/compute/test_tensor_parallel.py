@@ -4,8 +4,13 @@ against transformers' own model loaded whole: the prefill logits agree and ``gen
 tokens are identical, at TP=2 for Llama, Mistral, Qwen2 (q/k/v biases) and Qwen3 (q/k norms,
 tied embeddings), and at TP=4 for Llama, whose 2 KV heads are then replicated over 4 ranks.
 
-Not yet through the serving stack: the worker group (rank 0 planning, the kvstore's pools per
-rank) is issue 36's next part."""
+Then the paged path: ``ModelRunner``s on two ranks, each over its own pool of its KV heads, rank 0
+driving the real ``KVCacheManager`` (``GreedyDriver``) and sending every call to rank 1
+(``compute.parallel.step_plan``): three requests' greedy tokens identical to transformers', a
+block copy and tokens fed from the device reaching both ranks.
+
+Not yet through the serving stack: the worker group's processes and the kvstore's pools per rank
+are issue 36's next part."""
 
 from __future__ import annotations
 
@@ -20,9 +25,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM
 
+from compute.model.attention import ATTN_NAME
 from compute.model.models import tiny_family_config
+from compute.model.runner import Feed, ModelRunner, ScheduledChunk
 from compute.parallel.layers import TensorSlice, TPGroup, head_rows, vocab_rows
 from compute.parallel.sharding import SHARDED_FAMILIES, load_sharded
+from tests.compute.driver import GreedyDriver, garbage_pool, generate_greedy
 
 PROMPT = [1, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]
 NEW_TOKENS = 12
@@ -136,3 +144,57 @@ def test_four_ranks_replicate_kv_heads_and_generate_the_same(tmp_path: Path) -> 
         torch.tensor(ranks[0][str(model_dir)]["logits"]), logits, rtol=1e-4, atol=1e-4
     )
     assert all(r[str(model_dir)]["tokens"] == tokens for r in ranks)  # every rank samples alike
+
+
+# ---------------------------------------------------------------------- the paged path
+PROMPTS = [PROMPT, [*PROMPT[:7], 33, 34, 35], list(range(40, 75))]
+BLOCKS, BLOCK_SIZE = 64, 16
+
+
+def run_paged_rank(rank: int, size: int, port: int, model_dir: str, out: str) -> None:
+    """Rank 0 serves ``PROMPTS`` through ``GreedyDriver``, copies a block and runs a fed
+    forward; rank 1 follows. Each writes what its pool shows of the copy."""
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size
+    )
+    try:
+        group = TPGroup(rank, size)
+        model = load_sharded(Path(model_dir), group, torch.float32, "cpu", ATTN_NAME)
+        if rank:
+            runner = ModelRunner(
+                model, garbage_pool(model, BLOCKS, BLOCK_SIZE, group), 16, group=group
+            )
+            runner.follow()
+        else:
+            driver = GreedyDriver(model, BLOCKS, BLOCK_SIZE, group=group)
+            runner = driver.runner
+            seqs = [driver.admit(f"r{i}", p, NEW_TOKENS) for i, p in enumerate(PROMPTS)]
+            try:
+                driver.run()
+                runner.copy_blocks([(0, BLOCKS - 1)])
+                # token 200: in rank 1's rows of the vocabulary (130-258), so rank 1's embedding
+                # of the token fed to it is part of the sum
+                chunk = ScheduledChunk([200], len(seqs[0].tokens) - 1, [0, 1])
+                host = runner.forward([chunk])
+                fed = Feed(torch.tensor([200]), [0], [0])
+                device = runner.forward([chunk._replace(token_ids=[0])], fed)
+            finally:
+                runner.stop_followers()
+            result = {"outputs": [s.output for s in seqs], "fed_equal": torch.equal(host, device)}
+            Path(out, "paged.json").write_text(json.dumps(result))
+        copied = torch.equal(runner.pool[BLOCKS - 1], runner.pool[0])
+        Path(out, f"copied{rank}.json").write_text(json.dumps(copied))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_serve_paged_requests_as_one_model_does(tmp_path: Path) -> None:
+    model_dir = tiny_checkpoint("qwen2", tmp_path / "qwen2")  # biases: the sharded bias too
+    mp.spawn(run_paged_rank, (2, free_port(), str(model_dir), str(tmp_path)), nprocs=2)
+    result = json.loads((tmp_path / "paged.json").read_text())
+    ref: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    expected = [generate_greedy(ref, prompt, NEW_TOKENS) for prompt in PROMPTS]
+    assert result["outputs"] == expected
+    assert result["fed_equal"]  # rank 1 got the fed token, or the all-reduce would differ
+    assert all(json.loads((tmp_path / f"copied{r}.json").read_text()) for r in range(2))
