@@ -13,13 +13,13 @@ routed to it that no worker admitted yet. The ``prefix`` policy prices each pool
 
 and takes the cheapest pool; a pool without room for the request is taken only when no pool has
 room, a pool no live worker serves only when none has one. A prefix hot on a saturated pool
-therefore goes elsewhere once waiting there costs more than a copy and what the copy evicts:
-on pools full of cached prefixes, a prefix stays on one pool until its wait there exceeds about
-its own prefill, so the pools hold different prefixes (together up to the sum of their sizes)
-instead of the same hot ones twice. ``least_loaded`` prices the
-wait alone (the request's own prefill at full length); ``round_robin`` takes pools in turn (all
-of them: the baseline knows nothing). The prices (``Prices``) come from the workers' measured
-prefill profiles and the daemon's measured peer copies.
+therefore goes elsewhere once waiting there costs more than a copy and what the copy evicts: on
+pools full of cached prefixes, a prefix stays on one pool until its wait there exceeds about its
+own prefill, so the pools hold different prefixes (together up to the sum of their sizes) instead
+of the same hot ones twice. ``least_loaded`` prices the wait alone (the request's own prefill at
+full length); ``round_robin`` takes pools in turn (all of them: the baseline knows nothing).
+The prices (``Prices``) come from the workers' measured prefill profiles and the daemon's
+measured peer copies.
 """
 
 from __future__ import annotations

@@ -119,7 +119,10 @@ class ModelRunner:
             )
         dtype = str(model.dtype).removeprefix("torch.")
         self.group = group
-        geometry = kv_geometry(config, dtype, group.size if group is not None else 1)
+        ranks = group.size if group is not None else 1
+        if ranks > 1 and pool.is_cuda and (cuda_graph_max_batch or cuda_graph_max_tokens):
+            raise ValueError("CUDA graphs under tensor parallelism are not built yet (issue 36)")
+        geometry = kv_geometry(config, dtype, ranks)
         want = (
             geometry.num_layers,
             2,
@@ -142,7 +145,7 @@ class ModelRunner:
         if pool.is_cuda:  # no Triton compile mid-traffic
             from kernels import compile_variants
 
-            heads = int(config.num_attention_heads) // (group.size if group is not None else 1)
+            heads = int(config.num_attention_heads) // ranks
             compile_variants(pool[:, 0, 0], pool[:, 0, 1], heads)
             self.startup_s["kernels"] = time.perf_counter() - started
         self.graphs: DecodeGraphs | None = None
@@ -346,12 +349,12 @@ class ModelRunner:
             PlannedChunk(list(c.token_ids), c.start, list(c.block_ids), c.every_row, c.key)
             for c in batch
         ]
-        rows = 0 if feed is None else len(feed.source)
-        fed = ([], []) if feed is None else (feed.rows, feed.chunks)
-        plan = StepPlan("forward", chunks, rows, list(fed[0]), list(fed[1]))
-        send_plan(plan, group, self.device)
-        if feed is not None:
-            broadcast_fed(feed.source, rows, group, self.device)
+        if feed is None:
+            send_plan(StepPlan("forward", chunks), group, self.device)
+            return
+        rows = len(feed.source)
+        send_plan(StepPlan("forward", chunks, rows, feed.rows, feed.chunks), group, self.device)
+        broadcast_fed(feed.source, rows, group, self.device)
 
     def follow(self) -> None:
         """A rank other than 0: runs every call rank 0 sends, until it sends ``stop``."""
