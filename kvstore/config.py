@@ -77,6 +77,13 @@ class KVStoreConfig:
         "its own /dev/shm file; --kv-memory and --swap-memory are per pool. Workers register "
         "with one pool (their --pool)",
     )
+    tensor_parallel_size: int = flag(
+        1,
+        "ranks of each worker group (tensor parallelism): each pool is split by KV heads into "
+        "that many rank pools with the same block ids, rank r of pool i on cuda:(i*N + r) (on "
+        "CPU a /dev/shm file each); rank r of a group maps rank pool r. Swaps and copies move a "
+        "block in every rank",
+    )
     peer_copy: str = flag(
         "auto",
         "with several pools, a prefix another pool caches is copied into the pool of the "

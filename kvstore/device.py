@@ -30,6 +30,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import nullcontext
+from typing import Protocol
 
 import torch
 
@@ -209,36 +210,51 @@ class DevicePools:
             self.stream.synchronize()
         return time.perf_counter() - start
 
-    def calibrate(
-        self, sizes: tuple[int, ...] = (1, 4, 16, 64), repeats: int = 3
-    ) -> SwapCalibration | None:
-        """Times swap-out and swap-in of ``sizes`` blocks (scattered GPU ids, consecutive CPU ids,
-        as the allocators hand them out) and fits ``fixed + n * per_block`` to each direction."""
-        cpu_blocks, gpu_blocks = self.cpu_pool.shape[0], self.pool.shape[0]
-        sizes = tuple(n for n in sizes if n <= min(cpu_blocks, gpu_blocks))
-        if not sizes:
-            return None
-        gen = torch.Generator().manual_seed(0)
-        samples: list[tuple[int, float, float]] = []
-        for n in sizes:
-            gpu_ids = torch.randperm(gpu_blocks, generator=gen)[:n].tolist()
-            pairs = list(zip(gpu_ids, range(n), strict=True))
-            self.swap_out(pairs)  # warm-up
-            outs = sorted(self.swap_out(pairs) for _ in range(repeats))
-            ins = sorted(self.swap_in([(c, g) for g, c in pairs]) for _ in range(repeats))
-            samples.append((n, outs[repeats // 2], ins[repeats // 2]))
-            log.info(
-                "calibrating swap: %d blocks out %.3f ms, in %.3f ms",
-                n,
-                samples[-1][1] * 1e3,
-                samples[-1][2] * 1e3,
-            )
-        return SwapCalibration(
-            self.block_bytes,
-            fit_linear([(n, out) for n, out, _ in samples]),
-            fit_linear([(n, inn) for n, _, inn in samples]),
-            samples,
+    def calibrate(self, sizes: tuple[int, ...] = (1, 4, 16, 64)) -> SwapCalibration | None:
+        return calibrate_swaps(self, self.pool.shape[0], self.cpu_pool.shape[0], sizes)
+
+
+class Swaps(Protocol):
+    block_bytes: int
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> float: ...
+    def swap_in(self, pairs: list[tuple[int, int]]) -> float: ...
+
+
+def calibrate_swaps(
+    mover: Swaps,
+    gpu_blocks: int,
+    cpu_blocks: int,
+    sizes: tuple[int, ...] = (1, 4, 16, 64),
+    repeats: int = 3,
+) -> SwapCalibration | None:
+    """Times ``mover``'s swap-out and swap-in of ``sizes`` blocks (scattered GPU ids,
+    consecutive CPU ids, as the allocators hand them out) and fits ``fixed + n * per_block`` to
+    each direction."""
+    sizes = tuple(n for n in sizes if n <= min(cpu_blocks, gpu_blocks))
+    if not sizes:
+        return None
+    gen = torch.Generator().manual_seed(0)
+    samples: list[tuple[int, float, float]] = []
+    for n in sizes:
+        gpu_ids = torch.randperm(gpu_blocks, generator=gen)[:n].tolist()
+        pairs = list(zip(gpu_ids, range(n), strict=True))
+        mover.swap_out(pairs)  # warm-up
+        outs = sorted(mover.swap_out(pairs) for _ in range(repeats))
+        ins = sorted(mover.swap_in([(c, g) for g, c in pairs]) for _ in range(repeats))
+        samples.append((n, outs[repeats // 2], ins[repeats // 2]))
+        log.info(
+            "calibrating swap: %d blocks out %.3f ms, in %.3f ms",
+            n,
+            samples[-1][1] * 1e3,
+            samples[-1][2] * 1e3,
         )
+    return SwapCalibration(
+        mover.block_bytes,
+        fit_linear([(n, out) for n, out, _ in samples]),
+        fit_linear([(n, inn) for n, _, inn in samples]),
+        samples,
+    )
 
 
 def create_shm_file(path: str, nbytes: int) -> int:

@@ -14,6 +14,9 @@ from kvstore.service import KVService
 if TYPE_CHECKING:
     from kvstore.config import KVStoreConfig
     from kvstore.device import DevicePools
+    from kvstore.rank_pools import RankPools
+
+    Pools = DevicePools | RankPools  # a pool: one device's, or split over a group's ranks
 
 log = logging.getLogger("pagedserve.kvstore")
 
@@ -27,29 +30,51 @@ def disable_expandable_segments() -> None:
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join([*parts, "expandable_segments:False"])
 
 
-def build_host(config: KVStoreConfig) -> tuple[Host, list[DevicePools]]:
+def build_host(config: KVStoreConfig) -> tuple[Host, list[Pools]]:
     """Removes dead daemons' pool files, allocates each pool (the slow part: progress is logged),
     times copies between them, and wires one service per pool under one ``Host``. Raises
-    ValueError on a flag that makes no sense (memory sizes, dtype, pool count)."""
+    ValueError on a flag that makes no sense (memory sizes, dtype, pool or rank count)."""
+    from kvstore.cost_model import LinearCost
     from kvstore.peer_copy import PeerCopier
 
-    if config.data_parallel_size < 1:
-        raise ValueError(f"--data-parallel-size {config.data_parallel_size}: at least 1")
+    for name, value in (
+        ("--data-parallel-size", config.data_parallel_size),
+        ("--tensor-parallel-size", config.tensor_parallel_size),
+    ):
+        if value < 1:
+            raise ValueError(f"{name} {value}: at least 1")
     built = [build_service(config, i) for i in range(config.data_parallel_size)]
     services, pools = [s for s, _ in built], [d for _, d in built]
-    copier = PeerCopier(pools)
+    # one copier per rank: rank r of a pool copies into rank r of another
+    copiers = [PeerCopier([ranks_of(p)[r] for p in pools]) for r in range(len(ranks_of(pools[0])))]
     price = None
     if len(pools) > 1 and config.peer_copy != "never":
-        price = copier.calibrate()
+        lines = [c.calibrate() for c in copiers]
+        if all(line is not None for line in lines):
+            price = LinearCost(
+                sum(line.fixed_s for line in lines if line is not None),
+                sum(line.per_unit_s for line in lines if line is not None),
+            )
     mode: PeerCopyMode = "auto"
     if config.peer_copy in ("always", "never"):
         mode = "always" if config.peer_copy == "always" else "never"
     devices = [str(d.device) for d in pools]
-    return Host(services, devices, copier.copy, price, mode), pools
+
+    def copy(src: int, dst: int, pairs: list[tuple[int, int]]) -> float:
+        return sum(c.copy(src, dst, pairs) for c in copiers)
+
+    return Host(services, devices, copy, price, mode), pools
 
 
-def build_service(config: KVStoreConfig, index: int = 0) -> tuple[KVService, DevicePools]:
-    """Pool ``index`` of the host and its service."""
+def ranks_of(pools: Pools) -> list[DevicePools]:
+    from kvstore.rank_pools import RankPools
+
+    return pools.ranks if isinstance(pools, RankPools) else [pools]
+
+
+def build_service(config: KVStoreConfig, index: int = 0) -> tuple[KVService, Pools]:
+    """Pool ``index`` of the host (its rank pools with ``--tensor-parallel-size``) and its
+    service."""
     disable_expandable_segments()
     from contracts.model_config import kv_geometry, load_config, resolve_device, resolve_dtype
     from kvstore.device import (
@@ -59,16 +84,20 @@ def build_service(config: KVStoreConfig, index: int = 0) -> tuple[KVService, Dev
         blocks_in_gib,
         remove_stale_pool_files,
     )
+    from kvstore.rank_pools import RankPools
 
     device = resolve_device(config.device)
-    if config.data_parallel_size > 1 and device.startswith("cuda"):
+    ranks = config.tensor_parallel_size
+    devices = [device] * ranks
+    gpus = config.data_parallel_size * ranks
+    if gpus > 1 and device.startswith("cuda"):
         if device != "cuda" and device != "cuda:0":
             raise ValueError(
-                f"--device {config.device} with --data-parallel-size "
-                f"{config.data_parallel_size}: pools go on cuda:0 to cuda:"
-                f"{config.data_parallel_size - 1}; pick the GPUs with CUDA_VISIBLE_DEVICES"
+                f"--device {config.device} with {config.data_parallel_size} pool(s) of "
+                f"{ranks} rank(s): pools go on cuda:0 to cuda:{gpus - 1}; pick the GPUs with "
+                "CUDA_VISIBLE_DEVICES"
             )
-        device = f"cuda:{index}"
+        devices = [f"cuda:{index * ranks + r}" for r in range(ranks)]
     if index == 0:
         files, freed = remove_stale_pool_files()
         if files:
@@ -79,21 +108,25 @@ def build_service(config: KVStoreConfig, index: int = 0) -> tuple[KVService, Dev
                 freed / 2**20,
             )
     model_config = load_config(config.model)
-    geometry = kv_geometry(model_config, resolve_dtype(model_config, config.dtype, device))
+    dtype = resolve_dtype(model_config, config.dtype, device)
+    geometry = kv_geometry(model_config, dtype, ranks)  # one rank's heads
     block_bytes = geometry.block_bytes(config.block_size)
     kv_memory = config.kv_memory
     if kv_memory == "auto":
         kv_memory = "0.5" if device.startswith("cuda") else "1GiB"
-    num_blocks = blocks_for_memory(kv_memory, block_bytes, device)
-    num_cpu_blocks = blocks_in_gib(config.swap_memory, block_bytes)
+    num_blocks = min(blocks_for_memory(kv_memory, block_bytes, d) for d in devices)
+    num_cpu_blocks = blocks_in_gib(config.swap_memory, block_bytes * ranks)
     log.info(
-        "model %s: %s, block %d tokens = %d bytes",
+        "model %s: %s, block %d tokens = %d bytes%s",
         config.model,
         geometry,
         config.block_size,
         block_bytes,
+        f" a rank, {ranks} ranks" if ranks > 1 else "",
     )
-    pools = DevicePools(geometry, config.block_size, num_blocks, num_cpu_blocks, device)
+    bs = config.block_size
+    made = [DevicePools(geometry, bs, num_blocks, num_cpu_blocks, d) for d in devices]
+    pools: Pools = made[0] if ranks == 1 else RankPools(made)
     manager = KVCacheManager(
         num_blocks,
         num_cpu_blocks,

@@ -32,7 +32,9 @@ class CudaIpcHandle(_Item):
 
 class PoolInfo(_Item):
     """How a worker maps the pool: ``shm_path`` (CPU) or ``cuda`` (CUDA IPC), and its geometry.
-    Layout: ``[num_blocks, num_layers, 2 (K, V), block_size, num_kv_heads, head_dim]``."""
+    Layout: ``[num_blocks, num_layers, 2 (K, V), block_size, num_kv_heads, head_dim]``. With
+    tensor parallelism (``--tensor-parallel-size``), ``ranks``: each rank's pool (its KV heads,
+    the same block ids), of which this one is rank 0's."""
 
     kind: PoolKind
     shape: list[int]
@@ -40,6 +42,7 @@ class PoolInfo(_Item):
     block_size: int
     shm_path: str = ""
     cuda: CudaIpcHandle | None = None
+    ranks: list[PoolInfo] = []
 
 
 class ProfileOrigin(_Item):
