@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from compute.loop.engine import Engine
+    from compute.loop.rank import Group
     from compute.model.profile import Profiles
     from kvstore.client import KVClient
     from kvstore.protocol import ProfileOrigin
@@ -92,11 +94,21 @@ class ComputeConfig:
         "'' is $PAGEDSERVE_PROFILE_CACHE, else "
         "$XDG_CACHE_HOME/pagedserve/profiles (~/.cache/...); 'off': no cache",
     )
+    tensor_parallel_size: int = flag(
+        1,
+        "ranks of this worker's tensor-parallel group: this process is rank 0 (the kvstore, "
+        "Redis, the scheduling) and starts ranks 1 to N-1 (python -m compute.loop.rank), rank r "
+        "on the r-th GPU after --device (on CPU all on the CPU, over gloo); each loads only its "
+        "shards of the safetensors checkpoint. The kvstore needs the same "
+        "--tensor-parallel-size. Not yet: CUDA graphs, a cost-model profile",
+    )
     log_level: str = options.log_level()
 
     def __post_init__(self) -> None:
         if self.node:
             check_node(self.node)  # ValueError: one line at the command line
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size}: at least 1")
 
 
 class Phases:
@@ -154,21 +166,37 @@ def run(config: ComputeConfig, scheduling: SchedulerConfig) -> None:
 
     phases.done("imports")
     worker_id = config.worker_id or f"{socket.gethostname()}-{os.getpid()}"
-    model, tokenizer = load_model(config.model, config.dtype, resolve_device(config.device))
+    device = resolve_device(config.device)
+    group = None
+    if config.tensor_parallel_size > 1:
+        from compute.loop.rank import start_group
+        from compute.model.models import load_sharded_model
+
+        group = start_group(
+            config.model, config.dtype, device, config.tensor_parallel_size, config.log_level
+        )
+        model, tokenizer = load_sharded_model(config.model, config.dtype, device, group.group)
+        config = replace(config, cuda_graph_max_batch=0, cuda_graph_max_tokens=0)
+        profile_budget = 0.0  # a forward measured on rank 0 alone would hang the group
+        log.info("tensor parallel: no CUDA graphs, no cost-model profile yet")
+    else:
+        model, tokenizer = load_model(config.model, config.dtype, device)
+        profile_budget = config.profile_budget_s
     phases.done("model")
     graph_tokens = min(config.cuda_graph_max_tokens, scheduling.max_num_batched_tokens)
-    profiles, origin = obtain(
-        config.model, model, 16, graph_tokens, config.profile_budget_s, config.profile_cache
-    )
+    cache = config.profile_cache if group is None else "off"
+    profiles, origin = obtain(config.model, model, 16, graph_tokens, profile_budget, cache)
     phases.done("profile")
     r = redis.Redis.from_url(config.redis_url)
     signals: list[int] = []
     signal.signal(signal.SIGINT, lambda signum, _frame: signals.append(signum))
     signal.signal(signal.SIGTERM, lambda signum, _frame: signals.append(signum))
-    with KVClient(config.kvstore) as kv:
+    with KVClient(config.kvstore) as kv, contextlib.ExitStack() as stack:
         engine = _start_engine(
-            worker_id, model, tokenizer, kv, r, config, scheduling, profiles, origin, signals
+            worker_id, model, tokenizer, kv, r, config, scheduling, profiles, origin, signals, group
         )
+        if group is not None:
+            stack.callback(stop_group, group, engine)
         if engine is None:
             return
         phases.done("register")
@@ -185,6 +213,11 @@ def run(config: ComputeConfig, scheduling: SchedulerConfig) -> None:
     log.info("worker %s stopped; computed %d tokens", worker_id, engine.tokens_computed)
 
 
+def stop_group(group: Group, engine: Engine | None) -> None:
+    """The other ranks stop with rank 0 (its runner, the last it built, sends them ``stop``)."""
+    group.stop(engine.runner if engine is not None else None)
+
+
 def _start_engine(
     worker_id: str,
     model: PreTrainedModel,
@@ -196,6 +229,7 @@ def _start_engine(
     profiles: Profiles,
     origin: ProfileOrigin,
     signals: list[int],
+    group: Group | None = None,
 ) -> Engine | None:
     """The engine, once the kvstore and Redis answer (retried with backoff; None if a signal
     came first)."""
@@ -218,6 +252,7 @@ def _start_engine(
             heartbeat=True,
             pool=config.pool,
             node=config.node,
+            group=group.group if group is not None else None,
         )
 
     return retry_with_backoff(

@@ -65,6 +65,13 @@ class UpConfig:
         "of CUDA_VISIBLE_DEVICES; on CPU, one /dev/shm pool each); --workers run on each. "
         'The gateway routes each request to a pool (--gateway-args "--routing ...")',
     )
+    tensor_parallel_size: int = flag(
+        1,
+        "GPUs of each worker group (tensor parallelism): the kvstore splits each pool over them "
+        "by KV heads and each worker runs as a group of that many rank processes; pool i's "
+        "group on GPUs i*N to i*N+N-1 of CUDA_VISIBLE_DEVICES (on CPU, ranks over gloo). "
+        "Needs a safetensors checkpoint",
+    )
     node: str = flag(
         "",
         "this host's name when several hosts share one Redis (REDIS_URL): its workers and "
@@ -225,6 +232,8 @@ def _start_stack(
     shared = ["--model", config.model, "--device", config.device]
     kv_flags = ["--endpoint", endpoint, *shared, *shlex.split(config.kvstore_args)]
     kv_flags += ["--data-parallel-size", str(config.data_parallel_size)]
+    tp = config.tensor_parallel_size
+    kv_flags += ["--tensor-parallel-size", str(tp)] if tp > 1 else []
     supervisor.start(
         ChildSpec("kvstore", partial(spawn_process, "kvstore", kv_flags, **children), stop_order=2)
     )
@@ -232,12 +241,13 @@ def _start_stack(
     supervisor.wait_until(kvstore_ready, timeout_s, "the kvstore")
     worker_flags = ["--model", config.model, "--kvstore", endpoint, "--redis-url", redis_url]
     worker_flags += ["--node", config.node] if config.node else []
+    worker_flags += ["--tensor-parallel-size", str(tp)] if tp > 1 else []
     worker_flags += shlex.split(config.compute_args)
     ids = worker_ids(config)
     for worker_id, pool in zip(ids, worker_pools(config), strict=True):
         flags = [*worker_flags, "--worker-id", worker_id, "--pool", str(pool)]
         flags += ["--device", config.device]
-        gpu = pool_gpu(config.device, pool, config.data_parallel_size, os.environ)
+        gpu = pool_gpus(config.device, pool, config.data_parallel_size, tp, os.environ)
         env = {**os.environ} if gpu is None else {**os.environ, "CUDA_VISIBLE_DEVICES": gpu}
         start = partial(spawn_process, "compute", flags, env=env, **children)
         supervisor.start(ChildSpec(f"worker {worker_id}", start, stop_order=1))
@@ -281,17 +291,20 @@ def worker_pools(config: UpConfig) -> list[int]:
     return [pool for pool in range(config.data_parallel_size) for _ in range(config.workers)]
 
 
-def pool_gpu(device: str, pool: int, pools: int, env: Mapping[str, str]) -> str | None:
-    """The ``CUDA_VISIBLE_DEVICES`` of a worker of pool ``pool`` (the kvstore's cuda:``pool``,
-    of the GPUs ``env`` makes visible), so that it sees its GPU alone; None: one pool, or CPU."""
-    if pools == 1:
+def pool_gpus(device: str, pool: int, pools: int, ranks: int, env: Mapping[str, str]) -> str | None:
+    """The ``CUDA_VISIBLE_DEVICES`` of a worker of pool ``pool`` whose group has ``ranks``
+    ranks (the kvstore's ``cuda:pool*ranks`` to ``cuda:pool*ranks+ranks-1``, of the GPUs ``env``
+    makes visible), so that it sees its GPUs alone, rank 0's first; None: one GPU in all, or
+    CPU."""
+    if pools * ranks == 1:
         return None
     from contracts.model_config import resolve_device
 
     if not resolve_device(device).startswith("cuda"):
         return None
-    visible = [g for g in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
-    return visible[pool].strip() if pool < len(visible) else str(pool)
+    visible = [g.strip() for g in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
+    mine = range(pool * ranks, pool * ranks + ranks)
+    return ",".join(visible[i] if i < len(visible) else str(i) for i in mine)
 
 
 def _check_port_free(host: str, port: int) -> None:

@@ -44,10 +44,13 @@ from compute.loop.heartbeat import Heartbeat
 from compute.loop.kvsync import Diverged
 from compute.loop.model_step import ModelStep
 from compute.loop.publisher import Publisher
+from compute.loop.rank import build_runner
 from compute.loop.session import Session
 from compute.loop.timeline import TimelineLog
 from compute.model.profile import RecomputeProfile
 from compute.model.runner import ModelRunner
+from compute.parallel.layers import TPGroup
+from compute.parallel.step_plan import RunnerSettings
 from compute.sampling.grammar import GrammarsOnce
 from contracts import queue_keys
 from contracts.queue_keys import Checked
@@ -56,7 +59,6 @@ from contracts.tokenizer import output_decoder
 from kernels.compile_watch import CompileWatch
 from kvstore import protocol as p
 from kvstore.client import KVClient, KVStoreError, KVStoreTimeout
-from kvstore.mapping import map_pool
 
 log = logging.getLogger("pagedserve.compute")
 # What a worker survives by rebuilding its state: the kvstore or Redis away, or out of step.
@@ -83,6 +85,7 @@ class Engine:
         heartbeat: bool = False,
         pool: int = 0,
         node: str = "",
+        group: TPGroup | None = None,
     ) -> None:
         """Registers at the kvstore, maps its pool and takes back the requests a previous
         process under ``worker_id`` left pending. ``claim_idle_ms``: a pending request untouched
@@ -93,8 +96,9 @@ class Engine:
         kvstore's cost model (``compute.model.profile``), with ``profile_origin``. ``heartbeat``: a
         thread keeps its leases while a step is long (``compute.loop.heartbeat``; the worker
         process's engine has one). ``pool``: its pool at the kvstore of host ``node`` (empty: the
-        first), whose stream it reads (``queue_keys.request_stream``)."""
-        self.worker_id = worker_id
+        first), whose stream it reads (``queue_keys.request_stream``). ``group``: this is rank 0
+        of a tensor-parallel group, ``model`` its shards (``compute.loop.rank``)."""
+        self.worker_id, self.group = worker_id, group
         self.pool, self.stream = pool, queue_keys.request_stream(pool, node)
         self.model = model
         self.tokenizer = tokenizer
@@ -200,21 +204,15 @@ class Engine:
 
     def _map(self, info: p.PoolInfo) -> None:
         """Maps the kvstore's pool (a new one after the kvstore restarted: the old mapping is
-        dropped first) and builds the runner over it (capturing CUDA graphs again)."""
+        dropped first) and builds the runner over it (capturing CUDA graphs again; in a group,
+        every rank builds its own)."""
         if self.runner is not None:
             log.warning("the kvstore's pool is new: mapping it again")
         self.runner = None  # release the old mapping before taking the new one
-        pool = map_pool(info)  # [blocks, layers, 2, block, kv_heads, d], shared
-        if pool.device.type != self.model.device.type:
-            raise RuntimeError(
-                f"the kvstore's pool is on {pool.device.type}, the model on "
-                f"{self.model.device.type}: start both on the same device"
-            )
         graphs = min(self.cuda_graph_max_batch, self.config.max_num_seqs)
         tokens = min(self.cuda_graph_max_tokens, self.config.max_num_batched_tokens)
-        self.runner = ModelRunner(
-            self.model, pool, info.block_size, graphs, tokens, self.config.max_num_seqs
-        )
+        settings = RunnerSettings(info.block_size, graphs, tokens, self.config.max_num_seqs)
+        self.runner = build_runner(self.model, info, settings, self.group)
         self._pool = info
 
     def recover(self, error: Exception, stop: Callable[[], bool]) -> bool:

@@ -25,6 +25,8 @@ from transformers import (
 
 from compute.model.attention import ATTN_NAME
 from compute.model.fused import fuse_layers
+from compute.parallel.layers import TPGroup
+from compute.parallel.sharding import checkpoint_dir, load_sharded
 from contracts.checkpoints import resolve_model
 from contracts.model_config import TINY, resolve_dtype, tiny_config
 from contracts.tokenizer import BOS, EOS, PAD, byte_tokenizer, load_tokenizer
@@ -37,6 +39,7 @@ __all__ = [
     "TINY_SEED",
     "byte_tokenizer",
     "load_model",
+    "load_sharded_model",
     "tiny_family_config",
 ]
 
@@ -84,6 +87,29 @@ def _torch_dtype(config: Any, dtype: str, device: str) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"unsupported dtype {name!r}; choose auto or one of {sorted(DTYPES)}")
     return DTYPES[name]
+
+
+def load_sharded_model(
+    model: str, dtype: str, device: str, group: TPGroup
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """This rank's shards of ``model`` (a checkpoint directory: ``compute.parallel.sharding``) in
+    eval mode on ``device`` with paged attention, and its tokenizer; ``dtype`` as ``load_model``
+    resolves it."""
+    started = time.perf_counter()
+    path = checkpoint_dir(model)
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    torch_dtype = _torch_dtype(config, dtype, device)
+    net = load_sharded(path, group, torch_dtype, device, ATTN_NAME)
+    log.info(
+        "rank %d of %d: %s shards ready, %s on %s, %.1f s",
+        group.rank,
+        group.size,
+        config.model_type,
+        torch_dtype,
+        device,
+        time.perf_counter() - started,
+    )
+    return net, load_tokenizer(model)
 
 
 def load_model(

@@ -356,13 +356,14 @@ class ModelRunner:
         send_plan(StepPlan("forward", chunks, rows, feed.rows, feed.chunks), group, self.device)
         broadcast_fed(feed.source, rows, group, self.device)
 
-    def follow(self) -> None:
-        """A rank other than 0: runs every call rank 0 sends, until it sends ``stop``."""
+    def follow(self) -> StepPlan:
+        """A rank other than 0: runs every call rank 0 sends, until one that is not a runner's
+        (``map``: a new pool; ``stop``), which it returns."""
         assert self.group is not None and self.group.rank > 0, "rank 0 leads, it does not follow"
         while True:
             plan = receive_plan(self.group, self.device)
-            if plan.kind == "stop":
-                return
+            if plan.kind in ("map", "stop"):
+                return plan
             if plan.kind == "copy":
                 self.copy_blocks(plan.copies)
                 continue

@@ -38,7 +38,7 @@ from compute.parallel.layers import (
     head_rows,
 )
 
-__all__ = ["SHARDED_FAMILIES", "load_sharded", "shard_model"]
+__all__ = ["SHARDED_FAMILIES", "checkpoint_dir", "load_sharded", "shard_model"]
 
 log = logging.getLogger("pagedserve.compute")
 SHARDED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -118,6 +118,19 @@ def load_sharded(
         raise RuntimeError(f"tensors not loaded on rank {group.rank}: {left[:5]}")
     log.info("rank %d of %d: read %.1f MiB of %s", group.rank, group.size, read / 2**20, path)
     return model.eval()
+
+
+def checkpoint_dir(model: str) -> Path:
+    """The checkpoint directory of ``--model`` (``contracts.checkpoints.resolve_model``);
+    ValueError, in one line, for a model without one (``tiny``)."""
+    from contracts.checkpoints import resolve_model
+
+    path = Path(resolve_model(model))
+    if not path.is_dir():
+        raise ValueError(
+            f"tensor parallelism loads a safetensors checkpoint directory; {model!r} is none"
+        )
+    return path
 
 
 def checkpoint_files(path: Path) -> dict[str, str]:

@@ -2,11 +2,13 @@
 runner, so that every rank runs the same forward on its own shards and its own KV pool: the
 protocol between the ranks of one worker group.
 
-One ``StepPlan`` per call (``forward``: the step's chunks, and which chunks take their token
-from the device; ``copy``: copy-on-write block copies; ``stop``), encoded with msgspec (no
-pickle) and broadcast over the group as bytes: its length, then its bytes. A forward's fed tokens
-(drawn on the device by the step before: the overlap of host and device work) follow as one
-device tensor broadcast from rank 0, so no rank waits for the host to see them.
+One ``StepPlan`` per call (``map``: the kvstore's pool, every rank's, and the runner's
+settings, sent whenever rank 0 maps a pool; ``forward``: the step's chunks, and which chunks
+take their token from the device; ``copy``: copy-on-write block copies; ``stop``), encoded with
+msgspec (no pickle) and broadcast over the group as bytes: its length, then its bytes. A
+forward's fed tokens (drawn on the device by the step before: the overlap of host and device
+work) follow as one device tensor broadcast from rank 0, so no rank waits for the host to see
+them.
 """
 
 from __future__ import annotations
@@ -18,10 +20,18 @@ import torch
 import torch.distributed as dist
 
 from compute.parallel.layers import TPGroup
+from kvstore.protocol import PoolInfo
 
-__all__ = ["PlannedChunk", "StepPlan", "broadcast_fed", "receive_plan", "send_plan"]
+__all__ = [
+    "PlannedChunk",
+    "RunnerSettings",
+    "StepPlan",
+    "broadcast_fed",
+    "receive_plan",
+    "send_plan",
+]
 
-PlanKind = Literal["forward", "copy", "stop"]
+PlanKind = Literal["map", "forward", "copy", "stop"]
 
 
 class PlannedChunk(msgspec.Struct, frozen=True, array_like=True):
@@ -34,10 +44,19 @@ class PlannedChunk(msgspec.Struct, frozen=True, array_like=True):
     key: str | None = None
 
 
+class RunnerSettings(msgspec.Struct, frozen=True):
+    """What a rank's ``ModelRunner`` is built with besides its model and pool."""
+
+    block_size: int
+    cuda_graph_max_batch: int
+    cuda_graph_max_tokens: int
+    max_chunks: int
+
+
 class StepPlan(msgspec.Struct, frozen=True):
-    """``forward``: ``chunks``, of which ``fed_chunks[i]`` takes row ``fed_rows[i]`` of the fed
-    tensor (``fed_len`` rows, broadcast next); ``copy``: ``copies`` as ``(src, dst)`` blocks;
-    ``stop``: the group ends."""
+    """``map``: ``pool`` (its ``ranks``: each rank's) and ``settings``; ``forward``: ``chunks``,
+    of which ``fed_chunks[i]`` takes row ``fed_rows[i]`` of the fed tensor (``fed_len`` rows,
+    broadcast next); ``copy``: ``copies`` as ``(src, dst)`` blocks; ``stop``: the group ends."""
 
     kind: PlanKind
     chunks: list[PlannedChunk] = []
@@ -45,6 +64,8 @@ class StepPlan(msgspec.Struct, frozen=True):
     fed_rows: list[int] = []
     fed_chunks: list[int] = []
     copies: list[tuple[int, int]] = []
+    pool: PoolInfo | None = None
+    settings: RunnerSettings | None = None
 
 
 _ENCODER = msgspec.msgpack.Encoder()

@@ -1,0 +1,48 @@
+"""Joining a tensor-parallel group: ``torch.distributed`` over gloo on CPU (what CI tests) or NCCL
+on CUDA, the same code either way."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import socket
+
+import torch
+import torch.distributed as dist
+
+from compute.parallel.layers import TPGroup
+
+__all__ = ["free_port", "join_group", "leave_group"]
+
+log = logging.getLogger("pagedserve.compute")
+
+
+def join_group(rank: int, size: int, init_method: str, device: str, timeout_s: float) -> TPGroup:
+    """Rank ``rank`` of ``size`` joins at ``init_method`` (``tcp://host:port``, rank 0's), within
+    ``timeout_s`` (also the longest any collective may wait: a rank that dies shows as its
+    peers' error at the latest then). On CUDA the rank's device becomes the current one."""
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(torch.device(device))
+    dist.init_process_group(
+        backend,
+        init_method=init_method,
+        rank=rank,
+        world_size=size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    log.info("rank %d of %d joined the group at %s (%s)", rank, size, init_method, backend)
+    return TPGroup(rank, size)
+
+
+def leave_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (rank 0's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port

@@ -1,0 +1,138 @@
+"""Tensor parallelism through the whole stack on CPU: a kvstore with ``--tensor-parallel-size 2``
+(each pool split by KV heads into two ``/dev/shm`` rank pools), a worker group of two processes
+over gloo (``pagedserve compute --tensor-parallel-size 2`` starts rank 1 itself), a gateway; tiny
+fp32 checkpoints of every family the project serves. Over HTTP, greedy completions are identical
+to transformers' ``generate`` on the whole model, token for token, and their logprobs match its
+``log_softmax``."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import torch
+from transformers import AutoModelForCausalLM
+
+from compute.model.models import FAMILIES, tiny_family_config
+from contracts import queue_worker
+from contracts.tokenizer import byte_tokenizer
+from pagedserve.redis_server import free_port
+from tests.compute.driver import generate_greedy, paged_model
+from tests.conftest import banner_of
+from tests.pagedserve.test_up import NONE, submit, up_command, up_env, wait_final
+from tests.stack import post_completion, running_stack
+
+PROMPTS = [[1, 72, 101, 108, 108, 111, 44, 32, 119], [1, *range(40, 80)]]  # 9 and 41 tokens
+MAX_TOKENS = 12
+DB = 12
+
+
+def family_checkpoint(family: str, directory: Path) -> Path:
+    paged_model(tiny_family_config(family), seed=3).save_pretrained(directory)
+    byte_tokenizer().save_pretrained(directory)
+    return directory
+
+
+def expected(
+    checkpoint: Path, prompt: list[int], max_tokens: int = MAX_TOKENS
+) -> tuple[list[int], list[float]]:
+    """transformers' greedy tokens for ``prompt`` and each one's log-probability."""
+    ref: Any = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    tokens = generate_greedy(ref, prompt, max_tokens)
+    with torch.no_grad():
+        logits = ref(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+    logprobs = torch.log_softmax(logits.float(), -1)
+    return tokens, [float(logprobs[i, t]) for i, t in enumerate(tokens)]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_two_ranks_serve_greedy_completions_as_transformers_does(
+    family: str, redis_url: str, tmp_path: Path
+) -> None:
+    checkpoint = family_checkpoint(family, tmp_path / family)
+    tp = ["--tensor-parallel-size", "2"]
+    with running_stack(
+        redis_url,
+        tmp_path,
+        DB,
+        "0.01GiB",
+        model=str(checkpoint),
+        kvstore_flags=tp,
+        compute_flags=tp,
+    ) as stack:
+        for prompt in PROMPTS:
+            body = {
+                "model": str(checkpoint),
+                "prompt": prompt,
+                "max_tokens": MAX_TOKENS,
+                "temperature": 0,
+                "logprobs": 0,
+            }
+            answer = post_completion(stack.url, body)
+            tokens, logprobs = expected(checkpoint, prompt)
+            choice = answer["choices"][0]
+            assert choice["text"] == byte_tokenizer().decode(tokens, skip_special_tokens=True)
+            got = choice["logprobs"]["token_logprobs"]
+            assert got == pytest.approx(logprobs, abs=1e-4), (family, prompt)
+    log = (tmp_path / "worker.log").read_text(errors="replace")
+    assert "rank 1 of 2" in log and "rank 0 of 2" in log  # both ranks loaded their shards
+
+
+def rank_pids() -> list[int]:
+    """The pids of running ``compute.loop.rank`` processes (ranks 1 and up of a group)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"compute.loop.rank" in cmdline:
+                pids.append(int(entry.name))
+    return pids
+
+
+def test_sigkill_of_rank_1_mid_stream_restarts_the_group_and_the_stream_completes(
+    tmp_path: Path,
+) -> None:
+    """``pagedserve up --tensor-parallel-size 2``: rank 1 gets SIGKILL while a request streams.
+    Rank 0's next collective fails, it exits, ``up`` restarts the worker (which starts a new
+    rank 1), and the restarted group takes its request back: the output is transformers'."""
+    checkpoint = family_checkpoint("llama", tmp_path / "llama")
+    prompt, max_tokens = [1, *range(60, 100)], 150
+    endpoint = f"ipc:///tmp/pagedserve-tp-{uuid.uuid4().hex[:8]}.sock"
+    cmd = up_command(free_port(), endpoint, tmp_path / "redis", "--tensor-parallel-size", "2")
+    cmd[cmd.index("--model") + 1] = str(checkpoint)
+    up = subprocess.Popen(
+        cmd, env=up_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        banner = banner_of(up, 180)
+        redis_url = banner.split("redis ")[1].split(",")[0]
+        r = redis.Redis.from_url(redis_url)
+        submit(redis_url, "tp-kill", max_tokens=max_tokens, prompt=prompt)
+        deadline = time.monotonic() + 90
+        while len(queue_worker.read_streamed(r, "tp-kill").sequences.get(0, NONE).token_ids) < 10:
+            assert time.monotonic() < deadline, "the group never streamed"
+            time.sleep(0.05)
+        [victim] = rank_pids()
+        os.kill(victim, signal.SIGKILL)
+        output = wait_final(r, "tp-kill", timeout_s=180)
+        streamed = output.sequences[0].token_ids
+        tokens, _ = expected(checkpoint, prompt, max_tokens)
+        assert streamed == tokens
+        assert rank_pids() and rank_pids() != [victim]  # a new rank 1 serves
+    finally:
+        up.send_signal(signal.SIGINT)
+        up.wait(120)
+    log = up.stdout.read()  # type: ignore[union-attr]
+    exits = [line for line in log.splitlines() if "exited with" in line]
+    assert exits and "restarting" in exits[0], log[-3000:]  # rank 0 went down with rank 1
+    print("\n".join(exits))
