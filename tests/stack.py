@@ -183,10 +183,10 @@ def post_completion(url: str, body: dict[str, Any]) -> dict[str, Any]:
     return _post_completion(url, body)[0]
 
 
-def complete_greedy(url: str, prompt: list[int]) -> dict[str, Any]:
+def complete_greedy(url: str, prompt: list[int], model: str = "tiny") -> dict[str, Any]:
     """A greedy 12-token completion of ``prompt`` (token ids) with its tokens' logprobs, and
     the pool that served it (the ``X-PagedServe-Pool`` header) under ``"pool"``."""
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0, "logprobs": 0}
+    body = {"model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0, "logprobs": 0}
     answer, pool = _post_completion(url, body)
     return {**answer, "pool": pool}
 

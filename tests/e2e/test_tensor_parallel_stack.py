@@ -27,7 +27,7 @@ from pagedserve.redis_server import free_port
 from tests.compute.driver import generate_greedy, paged_model
 from tests.conftest import banner_of
 from tests.pagedserve.test_up import NONE, submit, up_command, up_env, wait_final
-from tests.stack import post_completion, running_stack
+from tests.stack import complete_greedy, post_completion, running_stack
 
 PROMPTS = [[1, 72, 101, 108, 108, 111, 44, 32, 119], [1, *range(40, 80)]]  # 9 and 41 tokens
 MAX_TOKENS = 12
@@ -136,3 +136,38 @@ def test_sigkill_of_rank_1_mid_stream_restarts_the_group_and_the_stream_complete
     exits = [line for line in log.splitlines() if "exited with" in line]
     assert exits and "restarting" in exits[0], log[-3000:]  # rank 0 went down with rank 1
     print("\n".join(exits))
+
+
+def test_two_pools_of_two_ranks_each_serve_as_transformers_does(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """Data parallel x tensor parallel on CPU: ``--data-parallel-size 2 --tensor-parallel-size
+    2``, four rank processes in two groups over gloo, four rank pools; requests dealt to the two
+    pools in turn come back as transformers' on each."""
+    checkpoint = family_checkpoint("qwen2", tmp_path / "qwen2")
+    tp = ["--tensor-parallel-size", "2"]
+    with running_stack(
+        redis_url,
+        tmp_path,
+        DB,
+        "0.01GiB",
+        "--routing",
+        "round_robin",
+        model=str(checkpoint),
+        kvstore_flags=tp,
+        compute_flags=tp,
+        pools=2,
+    ) as stack:
+        served = set()
+        for prompt in [*PROMPTS, *PROMPTS]:
+            answer = complete_greedy(stack.url, prompt, str(checkpoint))
+            tokens, logprobs = expected(checkpoint, prompt)
+            text = byte_tokenizer().decode(tokens, skip_special_tokens=True)
+            assert answer["choices"][0]["text"] == text
+            got = answer["choices"][0]["logprobs"]["token_logprobs"]
+            assert got == pytest.approx(logprobs, abs=1e-4)
+            served.add(answer["pool"])
+        assert served == {"0", "1"}
+    for pool in (0, 1):
+        log = (tmp_path / f"worker-{pool}.log").read_text(errors="replace")
+        assert "rank 1 mapped its pool" in log, log[-2000:]
