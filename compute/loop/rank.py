@@ -38,10 +38,16 @@ def build_runner(
 ) -> ModelRunner:
     """The runner over the kvstore's pool ``info`` (in a group: this rank's pool of it; rank 0
     first sends the other ranks the same ``map`` plan, so that they build theirs)."""
-    tp = group is not None and group.size > 1
-    if tp and group is not None and group.rank == 0:
-        send_plan(StepPlan("map", pool=info, settings=settings), group, model.device)
-    pool = map_pool(info.ranks[group.rank] if tp and group is not None else info)
+    ranked = group if group is not None and group.size > 1 else None
+    size = ranked.size if ranked is not None else 1
+    if len(info.ranks) != (size if size > 1 else 0):
+        raise RuntimeError(
+            f"the kvstore splits its pools over {len(info.ranks) or 1} rank(s), this worker runs "
+            f"{size}: start both with the same --tensor-parallel-size"
+        )
+    if ranked is not None and ranked.rank == 0:
+        send_plan(StepPlan("map", pool=info, settings=settings), ranked, model.device)
+    pool = map_pool(info.ranks[ranked.rank] if ranked is not None else info)
     if pool.device.type != model.device.type:
         raise RuntimeError(
             f"the kvstore's pool is on {pool.device.type}, the model on "

@@ -19,6 +19,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 import torch.distributed as dist
@@ -198,3 +199,18 @@ def test_two_ranks_serve_paged_requests_as_one_model_does(tmp_path: Path) -> Non
     assert result["outputs"] == expected
     assert result["fed_equal"]  # rank 1 got the fed token, or the all-reduce would differ
     assert all(json.loads((tmp_path / f"copied{r}.json").read_text()) for r in range(2))
+
+
+def test_a_worker_and_a_kvstore_of_different_group_sizes_say_so() -> None:
+    from compute.loop.rank import build_runner
+    from compute.parallel.step_plan import RunnerSettings
+    from kvstore.protocol import PoolInfo
+
+    settings = RunnerSettings(16, 0, 0, 8)
+    whole = PoolInfo("shm", [8, 2, 2, 16, 2, 16], "float32", 16, "/dev/shm/none")
+    split = msgspec.structs.replace(whole, ranks=[whole, whole])
+    model: Any = None  # never reached: the sizes are checked first
+    with pytest.raises(RuntimeError, match="over 1 rank\\(s\\), this worker runs 2"):
+        build_runner(model, whole, settings, TPGroup(0, 2))
+    with pytest.raises(RuntimeError, match="over 2 rank\\(s\\), this worker runs 1"):
+        build_runner(model, split, settings, None)
