@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
 import urllib.error
 import urllib.request
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +21,7 @@ from pagedserve.redis_server import free_port
 from tests.checkpoints import save_char_level_checkpoint
 from tests.compute.serving import submit
 from tests.conftest import banner_of, entry_record
-from tests.pagedserve.test_up import up_command, up_env, wait_final
+from tests.pagedserve.test_up import start_up, wait_final
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 
@@ -42,12 +40,7 @@ def call(url: str, body: dict[str, Any] | None = None) -> tuple[int, dict[str, A
 def test_structured_output_on_a_tokenizer_the_grammar_engine_cannot_read(tmp_path: Path) -> None:
     checkpoint = save_char_level_checkpoint(tmp_path / "char-level")
     port = free_port()
-    endpoint = f"ipc:///tmp/pagedserve-caps-{uuid.uuid4().hex[:8]}.sock"
-    cmd = up_command(port, endpoint, tmp_path / "redis")
-    cmd[cmd.index("--model") + 1] = str(checkpoint)
-    up = subprocess.Popen(
-        cmd, env=up_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    up = start_up(port, tmp_path / "redis", checkpoint)
     try:
         banner = banner_of(up, 180)
         redis_url = banner.split("redis ")[1].split(",")[0]

@@ -7,11 +7,10 @@ to transformers' ``generate`` on the whole model, token for token, and their log
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
-import subprocess
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +25,8 @@ from contracts.tokenizer import byte_tokenizer
 from pagedserve.redis_server import free_port
 from tests.compute.driver import generate_greedy, paged_model
 from tests.conftest import banner_of
-from tests.pagedserve.test_up import NONE, submit, up_command, up_env, wait_final
-from tests.stack import complete_greedy, post_completion, running_stack
+from tests.pagedserve.test_up import NONE, start_up, submit, wait_final
+from tests.stack import Stack, complete_greedy, running_stack
 
 PROMPTS = [[1, 72, 101, 108, 108, 111, 44, 32, 119], [1, *range(40, 80)]]  # 9 and 41 tokens
 MAX_TOKENS = 12
@@ -52,35 +51,45 @@ def expected(
     return tokens, [float(logprobs[i, t]) for i, t in enumerate(tokens)]
 
 
+def served_as_transformers(url: str, checkpoint: Path, prompt: list[int]) -> str:
+    """Completes ``prompt`` greedily over HTTP and checks the text and the logprobs against
+    transformers'; returns the pool that served it."""
+    answer = complete_greedy(url, prompt, str(checkpoint))
+    tokens, logprobs = expected(checkpoint, prompt)
+    choice = answer["choices"][0]
+    assert choice["text"] == byte_tokenizer().decode(tokens, skip_special_tokens=True)
+    assert choice["logprobs"]["token_logprobs"] == pytest.approx(logprobs, abs=1e-4), prompt
+    pool: str = answer["pool"]
+    return pool
+
+
+def tp_stack(
+    redis_url: str, logs: Path, checkpoint: Path, *gateway_flags: str, pools: int = 1
+) -> contextlib.AbstractContextManager[Stack]:
+    """The CPU test stack of ``checkpoint`` with ``--tensor-parallel-size 2`` for the kvstore
+    and the workers."""
+    tp = ["--tensor-parallel-size", "2"]
+    return running_stack(
+        redis_url,
+        logs,
+        DB,
+        "0.01GiB",
+        *gateway_flags,
+        model=str(checkpoint),
+        kvstore_flags=tp,
+        compute_flags=tp,
+        pools=pools,
+    )
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_two_ranks_serve_greedy_completions_as_transformers_does(
     family: str, redis_url: str, tmp_path: Path
 ) -> None:
     checkpoint = family_checkpoint(family, tmp_path / family)
-    tp = ["--tensor-parallel-size", "2"]
-    with running_stack(
-        redis_url,
-        tmp_path,
-        DB,
-        "0.01GiB",
-        model=str(checkpoint),
-        kvstore_flags=tp,
-        compute_flags=tp,
-    ) as stack:
+    with tp_stack(redis_url, tmp_path, checkpoint) as stack:
         for prompt in PROMPTS:
-            body = {
-                "model": str(checkpoint),
-                "prompt": prompt,
-                "max_tokens": MAX_TOKENS,
-                "temperature": 0,
-                "logprobs": 0,
-            }
-            answer = post_completion(stack.url, body)
-            tokens, logprobs = expected(checkpoint, prompt)
-            choice = answer["choices"][0]
-            assert choice["text"] == byte_tokenizer().decode(tokens, skip_special_tokens=True)
-            got = choice["logprobs"]["token_logprobs"]
-            assert got == pytest.approx(logprobs, abs=1e-4), (family, prompt)
+            served_as_transformers(stack.url, checkpoint, prompt)
     log = (tmp_path / "worker.log").read_text(errors="replace")
     assert "rank 1 of 2" in log and "rank 0 of 2" in log  # both ranks loaded their shards
 
@@ -107,12 +116,7 @@ def test_sigkill_of_rank_1_mid_stream_restarts_the_group_and_the_stream_complete
     rank 1), and the restarted group takes its request back: the output is transformers'."""
     checkpoint = family_checkpoint("llama", tmp_path / "llama")
     prompt, max_tokens = [1, *range(60, 100)], 150
-    endpoint = f"ipc:///tmp/pagedserve-tp-{uuid.uuid4().hex[:8]}.sock"
-    cmd = up_command(free_port(), endpoint, tmp_path / "redis", "--tensor-parallel-size", "2")
-    cmd[cmd.index("--model") + 1] = str(checkpoint)
-    up = subprocess.Popen(
-        cmd, env=up_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    up = start_up(free_port(), tmp_path / "redis", checkpoint, "--tensor-parallel-size", "2")
     try:
         banner = banner_of(up, 180)
         redis_url = banner.split("redis ")[1].split(",")[0]
@@ -145,29 +149,9 @@ def test_two_pools_of_two_ranks_each_serve_as_transformers_does(
     2``, four rank processes in two groups over gloo, four rank pools; requests dealt to the two
     pools in turn come back as transformers' on each."""
     checkpoint = family_checkpoint("qwen2", tmp_path / "qwen2")
-    tp = ["--tensor-parallel-size", "2"]
-    with running_stack(
-        redis_url,
-        tmp_path,
-        DB,
-        "0.01GiB",
-        "--routing",
-        "round_robin",
-        model=str(checkpoint),
-        kvstore_flags=tp,
-        compute_flags=tp,
-        pools=2,
-    ) as stack:
-        served = set()
-        for prompt in [*PROMPTS, *PROMPTS]:
-            answer = complete_greedy(stack.url, prompt, str(checkpoint))
-            tokens, logprobs = expected(checkpoint, prompt)
-            text = byte_tokenizer().decode(tokens, skip_special_tokens=True)
-            assert answer["choices"][0]["text"] == text
-            got = answer["choices"][0]["logprobs"]["token_logprobs"]
-            assert got == pytest.approx(logprobs, abs=1e-4)
-            served.add(answer["pool"])
-        assert served == {"0", "1"}
+    with tp_stack(redis_url, tmp_path, checkpoint, "--routing", "round_robin", pools=2) as stack:
+        served = {served_as_transformers(stack.url, checkpoint, p) for p in [*PROMPTS, *PROMPTS]}
+    assert served == {"0", "1"}
     for pool in (0, 1):
         log = (tmp_path / f"worker-{pool}.log").read_text(errors="replace")
         assert "rank 1 mapped its pool" in log, log[-2000:]

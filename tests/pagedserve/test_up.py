@@ -89,6 +89,17 @@ def up_command(port: int, endpoint: str, redis_dir: Path, *flags: str) -> list[s
     ]
 
 
+def start_up(port: int, redis_dir: Path, model: Path, *flags: str) -> subprocess.Popen[str]:
+    """``pagedserve up`` of checkpoint ``model`` on CPU (``up_command``'s flags and ``flags``),
+    its output piped as text for ``banner_of``."""
+    endpoint = f"ipc:///tmp/pagedserve-up-{uuid.uuid4().hex[:8]}.sock"
+    cmd = up_command(port, endpoint, redis_dir, *flags)
+    cmd[cmd.index("--model") + 1] = str(model)
+    return subprocess.Popen(
+        cmd, env=up_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
 def up_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "PAGEDSERVE_ADMIN_TOKEN")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
