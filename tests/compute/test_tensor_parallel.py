@@ -15,7 +15,6 @@ are issue 36's next part."""
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ from transformers import AutoModelForCausalLM
 from compute.model.attention import ATTN_NAME
 from compute.model.models import tiny_family_config
 from compute.model.runner import Feed, ModelRunner, ScheduledChunk
+from compute.parallel.group import free_port
 from compute.parallel.layers import TensorSlice, TPGroup, head_rows, vocab_rows
 from compute.parallel.sharding import SHARDED_FAMILIES, load_sharded
 from tests.compute.driver import GreedyDriver, garbage_pool, generate_greedy
@@ -58,13 +58,6 @@ def test_the_vocabulary_splits_in_equal_padded_shares() -> None:
 
 
 # ---------------------------------------------------------------------- rank processes
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def run_rank(rank: int, size: int, port: int, models: list[str], out: str) -> None:
     """One rank: joins the gloo group, then loads and runs every model of ``models``; rank 0
     writes the tokens and logits, every rank its parameter count."""
