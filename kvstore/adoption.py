@@ -97,8 +97,10 @@ def make_room_for_streamed(store: BlockStore, request: Request, bs: int) -> None
         request.num_registered = min(request.num_registered, first)
 
 
-def orphan(requests: Iterable[Request], worker: str, now: float) -> list[str]:
-    """Marks a dead ``worker``'s requests orphaned at ``now``; their ids."""
+def orphan(store: BlockStore, requests: Iterable[Request], worker: str, now: float) -> list[str]:
+    """Marks a dead ``worker``'s requests orphaned at ``now``; their ids. The copies it did not
+    confirm stay untrusted (``BlockPool.forget_worker``)."""
+    store.pool.forget_worker(worker)
     orphaned = [r for r in requests if r.worker == worker and r.orphaned_at is None]
     for request in orphaned:
         request.orphaned_at = now

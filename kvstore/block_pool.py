@@ -12,13 +12,15 @@ Pure Python, no torch. A ``BlockPool`` only tracks ids; the bytes live in the po
 A used block may also be *copying*: the destination of a copy-on-write copy that the worker
 performs on its own stream and has not confirmed yet. Its content is not trusted until then (a
 worker that dies first never makes the copy): it is never registered, and a request that holds
-it computes it again when another worker takes it over or when it is swapped.
+it computes it again when another worker takes it over or when it is swapped. A confirmation
+names only the block, and may come after the block was freed and taken again for another copy:
+that late one confirms the copy it was made for, not the block's next (``copied``).
 """
 
 from __future__ import annotations
 
 import heapq
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Collection, Iterator
 
 
@@ -69,7 +71,11 @@ class BlockPool(_Tier):
         self.cached = [False] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
         self._lru: OrderedDict[int, None] = OrderedDict()  # first = least recently used
-        self._copying: set[int] = set()  # used blocks whose copy-on-write is not confirmed
+        # used blocks whose copy-on-write is not confirmed -> the worker that owes the
+        # confirmation (None: a dead one, it never comes)
+        self._copying: dict[int, str | None] = {}
+        # (worker, block): confirmations still due for copies into blocks freed since
+        self._late: Counter[tuple[str, int]] = Counter()
 
     @property
     def num_cached_free(self) -> int:
@@ -117,22 +123,40 @@ class BlockPool(_Tier):
                 raise ValueError(f"double free of block {block}")
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
-                self._copying.discard(block)
+                if (owner := self._copying.pop(block, None)) is not None:
+                    self._late[owner, block] += 1  # it must not confirm the block's next copy
                 if self.cached[block]:
                     self._lru[block] = None
                 else:
                     self._free.append(block)
 
-    def mark_copying(self, block: int) -> None:
-        """A copy-on-write copy into ``block`` (used, uncached) is due: its content is not
-        trusted until ``copied``."""
+    def mark_copying(self, block: int, worker: str) -> None:
+        """A copy-on-write copy into ``block`` (used, uncached) is due from ``worker``: its
+        content is not trusted until ``copied``."""
         if self.ref_counts[block] == 0 or self.cached[block]:
             raise ValueError(f"block {block} is not a private block in use")
-        self._copying.add(block)
+        self._copying[block] = worker
 
-    def copied(self, blocks: list[int]) -> None:
-        """The worker performed the copies into ``blocks`` (those not copying are ignored)."""
-        self._copying.difference_update(blocks)
+    def copied(self, worker: str, blocks: list[int]) -> None:
+        """``worker`` performed the copies into ``blocks``, in the order it was asked for them.
+        One into a block freed before this confirmation came was an earlier copy than the one
+        the block may be copying now (a worker confirms in order): it confirms nothing more.
+        Blocks not copying for ``worker`` are ignored."""
+        for block in blocks:
+            if self._late[worker, block]:
+                self._late[worker, block] -= 1
+                if not self._late[worker, block]:
+                    del self._late[worker, block]
+            elif self._copying.get(block) == worker:
+                del self._copying[block]
+
+    def forget_worker(self, worker: str) -> None:
+        """``worker`` died: the confirmations it owed never come (its copies stay untrusted)."""
+        for key in [key for key in self._late if key[0] == worker]:
+            del self._late[key]
+        for block, owner in self._copying.items():
+            if owner == worker:
+                self._copying[block] = None
 
     def is_copying(self, block: int) -> bool:
         return block in self._copying
@@ -175,6 +199,7 @@ class BlockPool(_Tier):
         for block in self._copying:
             assert self.ref_counts[block] > 0, f"copying block {block} is not in use"
             assert not self.cached[block], f"copying block {block} is in the prefix index"
+        assert all(n > 0 for n in self._late.values()), "a late confirmation counted down past 0"
 
 
 class CpuTier(_Tier):

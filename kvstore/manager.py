@@ -157,9 +157,9 @@ class KVCacheManager:
         )
         return placement, TransferPlan()
 
-    def copied(self, blocks: list[int]) -> None:
-        """A worker made the copy-on-write copies into ``blocks`` (``Step.copied``): trusted."""
-        self.pool.copied(blocks)
+    def copied(self, worker: str, blocks: list[int]) -> None:
+        """``worker`` made the copy-on-write copies into ``blocks`` (``Step.copied``): trusted."""
+        self.pool.copied(worker, blocks)
 
     @property
     def admission_limit_blocks(self) -> int:
@@ -363,7 +363,7 @@ class KVCacheManager:
     # ------------------------------------------------------------------ leases and admin
     def orphan_worker(self, worker: str, now: float) -> list[str]:
         """Marks a dead worker's requests orphaned; they keep their blocks until reclaimed."""
-        return orphan(self.requests.values(), worker, now)
+        return orphan(self.store, self.requests.values(), worker, now)
 
     def reclaim_orphans(self, now: float, grace_s: float) -> list[str]:
         """Frees requests orphaned for longer than ``grace_s``."""

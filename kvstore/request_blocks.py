@@ -124,7 +124,7 @@ def grow(
         for position, dst in zip(to_copy, fresh, strict=False):
             src = table[position]
             store.pool.release([src])
-            store.pool.mark_copying(dst)  # trusted once the worker confirms the copy
+            store.pool.mark_copying(dst, request.worker)  # trusted once confirmed
             table[position] = dst
             copies.append((position, src, dst))
         new_blocks = fresh[len(to_copy) :]

@@ -150,7 +150,7 @@ class KVService:
         admit = functools.partial(self._admit, prepare=prepare_admit)
         for cost in body.costs:
             self._each(reply, "cost", cost.req_id, m.record_recompute, cost.req_id, cost.seconds)
-        m.copied(body.copied)  # before appends: the blocks they complete may join the index
+        m.copied(worker, body.copied)  # before appends: the blocks they complete may join the index
         for fork in body.forks:  # before frees: a child may end, or its parent, in this step
             for child in fork.child_ids:
                 self._each(reply, "fork", child, self._fork, fork.parent_id, child, worker, reply)

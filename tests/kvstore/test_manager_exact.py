@@ -474,7 +474,7 @@ def test_a_copy_on_write_copy_is_trusted_only_once_the_worker_confirms_it() -> N
     # Block 2 fills: p computed its 32 tokens, but the block's copy is not confirmed.
     assert m.append("p", "w1", list(range(21, 33)), 32).new_block_ids == [3]
     assert m.index.key_of_block(0) is not None and m.index.key_of_block(2) is None
-    m.copied([2])
+    m.copied("w1", [2])
     m.append("p", "w1", [], 32)  # the next report registers it
     assert m.index.key_of_block(2) is not None and not m.pool.is_copying(2)
     m.check_integrity()

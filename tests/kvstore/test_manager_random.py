@@ -225,7 +225,7 @@ class KVMachine(RuleBasedStateMachine):
             by_worker.setdefault(self.m.requests[v].worker, []).append(v)
         for worker, ids in by_worker.items():
             self._perform(worker)  # the worker makes its copies before it preempts
-            self.m.copied(self.made[worker])
+            self.m.copied(worker, self.made[worker])
             self.made[worker] = []
             modes, plan = self.m.preempt(ids, worker, self.now)
             self._run(plan)
@@ -298,7 +298,7 @@ class KVMachine(RuleBasedStateMachine):
     @rule(worker=st.sampled_from(["w1", "w2"]))
     def confirm_copies(self, worker: str) -> None:
         """The worker's next Step confirms the copies its processed steps made."""
-        self.m.copied(self.made[worker])
+        self.m.copied(worker, self.made[worker])
         self.made[worker] = []
 
     @rule()
