@@ -21,16 +21,17 @@ Jobs = list[tuple[list[int], int]]  # (prompt, max_tokens)
 
 
 def llama_config(**geometry: Any) -> LlamaConfig:
-    """A Llama-3 family config: its 128k vocabulary, 32 query / 8 KV heads, rope theta 500k."""
-    return LlamaConfig(
-        vocab_size=128256,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
-        bos_token_id=128000,
-        eos_token_id=128001,
-        **geometry,
-    )
+    """A Llama-3 family config: its 128k vocabulary, 32 query / 8 KV heads and rope theta 500k
+    unless ``geometry`` says otherwise."""
+    defaults: dict[str, Any] = {
+        "vocab_size": 128256,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+    }
+    return LlamaConfig(**{**defaults, **geometry})
 
 
 def llama_1b_config() -> LlamaConfig:
@@ -55,7 +56,30 @@ def llama_8b_config() -> LlamaConfig:
     )
 
 
-SHAPES = {"1b": llama_1b_config, "8b": llama_8b_config}  # Llama-3.2-1B, Llama-3.1-8B
+def llama_70b_config() -> LlamaConfig:
+    """Llama-3.1-70B's config (its llama3 rope scaling and 128k context included)."""
+    return llama_config(
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        head_dim=128,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        tie_word_embeddings=False,
+    )
+
+
+# Llama-3.2-1B, Llama-3.1-8B, Llama-3.1-70B (70B: written by ``bench/big_checkpoint.py``)
+SHAPES = {"1b": llama_1b_config, "8b": llama_8b_config, "70b": llama_70b_config}
 
 
 def workload(n: int, seed: int = 0, tokenizer: str = "") -> Jobs:
@@ -72,10 +96,17 @@ def workload(n: int, seed: int = 0, tokenizer: str = "") -> Jobs:
         ]
     from contracts.tokenizer import load_tokenizer
     from pagedserve.bench import tokenizer_of
-    from pagedserve.bench_workloads import TextMaker, build
+    from pagedserve.bench_workloads import Lengths, TextMaker, build
 
     decode, vocab = tokenizer_of(tokenizer)
-    groups = build("random", n, (64, 1024), (32, 512), seed, lambda r: TextMaker(r, decode, vocab))
+    groups = build(
+        "random",
+        n,
+        Lengths(64, 1024),
+        Lengths(32, 512),
+        seed,
+        lambda r: TextMaker(r, decode, vocab),
+    )
     chat = load_tokenizer(tokenizer)
     jobs = []
     for (turn,) in groups:

@@ -8,7 +8,7 @@ import os
 import signal
 import socket
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -100,7 +100,8 @@ class ComputeConfig:
         "Redis, the scheduling) and starts ranks 1 to N-1 (python -m compute.loop.rank), rank r "
         "on the r-th GPU after --device (on CPU all on the CPU, over gloo); each loads only its "
         "shards of the safetensors checkpoint. The kvstore needs the same "
-        "--tensor-parallel-size. Not yet: CUDA graphs, a cost-model profile",
+        "--tensor-parallel-size. Every rank captures the same CUDA graphs. Not yet: a cost-model "
+        "profile (the default costs are used)",
     )
     log_level: str = options.log_level()
 
@@ -176,9 +177,8 @@ def run(config: ComputeConfig, scheduling: SchedulerConfig) -> None:
             config.model, config.dtype, device, config.tensor_parallel_size, config.log_level
         )
         model, tokenizer = load_sharded_model(config.model, config.dtype, device, group.group)
-        config = replace(config, cuda_graph_max_batch=0, cuda_graph_max_tokens=0)
         profile_budget = 0.0  # a forward measured on rank 0 alone would hang the group
-        log.info("tensor parallel: no CUDA graphs, no cost-model profile yet")
+        log.info("tensor parallel: no cost-model profile yet")
     else:
         model, tokenizer = load_model(config.model, config.dtype, device)
         profile_budget = config.profile_budget_s

@@ -41,6 +41,7 @@ from pagedserve.bench_workloads import (
     Turn,
     Workload,
     build,
+    parse_lengths,
     parse_popularity,
     parse_range,
     with_schemas,
@@ -217,16 +218,16 @@ def requests_of(config: BenchConfig) -> list[list[Turn]]:
     groups = build(
         _workload(config.workload),
         config.num_requests,
-        parse_range(config.input_len),
-        parse_range(config.output_len),
+        parse_lengths(config.input_len),
+        parse_lengths(config.output_len),
         config.seed,
         lambda rng: TextMaker(rng, decode, vocab),
         parse_range(config.prefix_len),
         config.num_prefixes,
         config.turns,
         config.conversations,
-        parse_range(config.first_prompt_len) if config.first_prompt_len else None,
-        parse_range(config.turn_prompt_len) if config.turn_prompt_len else None,
+        parse_lengths(config.first_prompt_len) if config.first_prompt_len else None,
+        parse_lengths(config.turn_prompt_len) if config.turn_prompt_len else None,
         prefix_zipf=parse_popularity(config.prefix_popularity),
     )
     return with_schemas(groups, config.guided_fraction, config.seed)

@@ -24,8 +24,12 @@ class BenchConfig:
         128,
         "requests to send (multi-turn: turns in all, unless --conversations)",
     )
-    input_len: str = flag("64:1024", "prompt length lo:hi, tokens (words without --tokenizer)")
-    output_len: str = flag("32:512", "max_tokens lo:hi")
+    input_len: str = flag(
+        "64:1024",
+        "prompt length, tokens (words without --tokenizer): lo:hi (uniform) or "
+        "lognormal:MU:SIGMA:LO:HI (a long-tailed chat mix, clipped to LO:HI)",
+    )
+    output_len: str = flag("32:512", "max_tokens: lo:hi or lognormal:MU:SIGMA:LO:HI")
     prefix_len: str = flag(
         "512",
         "shared-prefix: each prefix's length, tokens (words without --tokenizer): N, or lo:hi "

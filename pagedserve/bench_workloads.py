@@ -6,7 +6,7 @@ vocabulary (about one token each for common tokenizers). Prompts are always text
 OpenAI-compatible server takes them, on ``/v1/completions`` and on ``/v1/chat/completions``.
 
 - ``random``: each request a fresh prompt of ``input_len`` and ``max_tokens`` of ``output_len``
-  (both ``lo:hi`` ranges, uniform);
+  (both ``lo:hi`` ranges, uniform, or ``lognormal:MU:SIGMA:LO:HI``: ``Lengths``);
 - ``shared-prefix``: each request one of ``num_prefixes`` prefixes (system prompts, tenants)
   followed by a fresh part of ``input_len`` (the prefix cache's case). Each prefix is
   ``prefix_len`` long, or draws its own length from a ``lo:hi`` range; the requests take the
@@ -53,6 +53,41 @@ _WORDS = (  # noqa: SIM905
     "official matter center couple site project activity star table need court oil "
     "situation cost industry figure street image phone data picture"
 ).split()
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """How long each request's prompt or output is: uniform over ``[lo, hi]``, or with
+    ``sigma`` > 0 lognormal (``exp`` of a normal of ``mu`` and ``sigma``, rounded) clipped to
+    ``[lo, hi]``: a long-tailed mix like chat datasets' (ShareGPT's prompts average about 220
+    tokens and its answers about 190: ``lognormal:4.9:1.0:4:4096`` and
+    ``lognormal:4.85:0.9:4:2048`` have those means)."""
+
+    lo: int
+    hi: int
+    mu: float = 0.0
+    sigma: float = 0.0
+
+    def draw(self, rng: random.Random) -> int:
+        if self.sigma == 0:
+            return rng.randint(self.lo, self.hi)
+        return min(max(round(rng.lognormvariate(self.mu, self.sigma)), self.lo), self.hi)
+
+
+def parse_lengths(spec: str) -> Lengths:
+    """``"64:1024"``, ``"128"`` (``parse_range``) or ``"lognormal:MU:SIGMA:LO:HI"`` (SIGMA > 0).
+    Raises ValueError."""
+    if not spec.startswith("lognormal:"):
+        return Lengths(*parse_range(spec))
+    fields = spec.split(":")[1:]
+    try:
+        mu, sigma, lo, hi = float(fields[0]), float(fields[1]), int(fields[2]), int(fields[3])
+    except (ValueError, IndexError):
+        mu = sigma = math.nan
+        lo = hi = 0
+    if len(fields) != 4 or not (0 < sigma < math.inf and math.isfinite(mu) and 1 <= lo <= hi):
+        raise ValueError(f"lengths {spec!r}: expected lognormal:MU:SIGMA:LO:HI, SIGMA > 0")
+    return Lengths(lo, hi, mu, sigma)
 
 
 def parse_range(spec: str) -> tuple[int, int]:
@@ -116,16 +151,16 @@ class TextMaker:
 def build(
     workload: Workload,
     num_requests: int,
-    input_len: tuple[int, int],
-    output_len: tuple[int, int],
+    input_len: Lengths,
+    output_len: Lengths,
     seed: int,
     text: Callable[[random.Random], TextMaker],
     prefix_len: int | tuple[int, int] = 512,
     num_prefixes: int = 4,
     turns: int = 4,
     conversations: int = 0,
-    first_prompt_len: tuple[int, int] | None = None,
-    turn_prompt_len: tuple[int, int] | None = None,
+    first_prompt_len: Lengths | None = None,
+    turn_prompt_len: Lengths | None = None,
     prefix_zipf: float | None = None,
 ) -> list[list[Turn]]:
     """The requests, grouped: one group per conversation (multi-turn), else one per request.
@@ -138,10 +173,10 @@ def build(
     make = text(rng)
 
     def one(
-        conversation: int = -1, turn: int = 0, prefix: str = "", length: tuple[int, int] = input_len
+        conversation: int = -1, turn: int = 0, prefix: str = "", length: Lengths = input_len
     ) -> Turn:
-        body = make(rng.randint(*length))
-        return Turn(prefix + body, rng.randint(*output_len), conversation, turn)
+        body = make(length.draw(rng))
+        return Turn(prefix + body, output_len.draw(rng), conversation, turn)
 
     if workload == "random":
         return [[one()] for _ in range(num_requests)]

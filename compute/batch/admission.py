@@ -43,7 +43,12 @@ class ModelLimits:
 
 
 def _rows(module: object) -> int:
-    """The rows of an embedding's or LM head's weight (token ids below it)."""
+    """The token ids an embedding or LM head covers: its ``num_embeddings`` or ``out_features``
+    (the whole vocabulary's, a tensor-parallel rank holding only its share of the weight's
+    rows), else its weight's rows."""
+    for name in ("num_embeddings", "out_features"):
+        if isinstance(rows := getattr(module, name, None), int):
+            return rows
     weight = getattr(module, "weight", None)
     assert isinstance(weight, torch.Tensor), f"{module}: no weight"
     return int(weight.shape[0])

@@ -3,21 +3,25 @@
 (``python -m compute.loop.rank``). It joins the group, loads its shards of the checkpoint, and
 runs what rank 0 sends (``compute.parallel.step_plan``): it maps its rank's pool of each pool
 rank 0 maps and follows every forward and block copy on it, until rank 0 stops it. It talks to
-neither the kvstore nor Redis; when rank 0 dies, its next collective fails and it exits, and
-when it dies, rank 0's does (the group goes down together and restarts together)."""
+neither the kvstore nor Redis. The group goes down together and restarts together: a rank gets
+SIGKILL when rank 0 exits (``die_with_parent``), and rank 0 exits when a rank does
+(``watch``), at once, not when its next collective times out (over NCCL a collective
+waits for a dead peer until then)."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import logging
 import os
+import signal
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from transformers import PreTrainedModel
 
 from compute.model.models import load_sharded_model
@@ -26,11 +30,14 @@ from compute.parallel.group import free_port, join_group, leave_group
 from compute.parallel.layers import TPGroup
 from compute.parallel.step_plan import RunnerSettings, StepPlan, receive_plan, send_plan
 from contracts import options
+from contracts.heap import tune_gc_for_serving
 from kvstore.mapping import map_pool
 from kvstore.protocol import PoolInfo
 
 log = logging.getLogger("pagedserve.compute")
 JOIN_TIMEOUT_S = 600.0  # the ranks' start-up (loading their shards) and any collective's wait
+WATCH_INTERVAL_S = 0.2  # how often rank 0 looks at the other ranks' processes
+RANK_DIED = 70  # rank 0's exit status when another rank's process exited
 
 
 def build_runner(
@@ -46,7 +53,7 @@ def build_runner(
             f"{size}: start both with the same --tensor-parallel-size"
         )
     if ranked is not None and ranked.rank == 0:
-        send_plan(StepPlan("map", pool=info, settings=settings), ranked, model.device)
+        send_plan(StepPlan("map", pool=info, settings=settings), ranked)
     pool = map_pool(info.ranks[ranked.rank] if ranked is not None else info)
     if pool.device.type != model.device.type:
         raise RuntimeError(
@@ -66,7 +73,7 @@ def build_runner(
 
 def serve_rank(model: PreTrainedModel, group: TPGroup, device: str) -> None:
     """Runs rank 0's plans on this rank until ``stop``."""
-    plan: StepPlan = receive_plan(group, torch.device(device))
+    plan: StepPlan = receive_plan(group)
     while plan.kind != "stop":
         if plan.kind != "map" or plan.pool is None or plan.settings is None:
             raise RuntimeError(f"rank {group.rank}: a {plan.kind!r} plan before any pool")
@@ -82,9 +89,11 @@ class Group:
 
     group: TPGroup
     ranks: list[subprocess.Popen[bytes]]
+    stopping: threading.Event  # set by ``stop``: a rank's exit is no longer a failure
 
     def stop(self, runner: ModelRunner | None) -> None:
         """Stops the other ranks (``stop``, else SIGTERM after 10 s) and leaves the group."""
+        self.stopping.set()
         if runner is not None:
             with contextlib.suppress(Exception):  # a rank that died already: nothing to stop
                 runner.stop_followers()
@@ -111,7 +120,27 @@ def start_group(model: str, dtype: str, device: str, size: int, log_level: str) 
         command += ["--device", rank_device(device, rank), "--log-level", log_level]
         ranks.append(subprocess.Popen(command, env=env))
     log.info("started ranks 1 to %d of the tensor-parallel group", size - 1)
-    return Group(join_group(0, size, init, device, JOIN_TIMEOUT_S), ranks)
+    stopping = threading.Event()
+    watch(ranks, stopping)  # a rank that fails to start fails rank 0's start-up at once
+    return Group(join_group(0, size, init, device, JOIN_TIMEOUT_S), ranks, stopping)
+
+
+def watch(ranks: list[subprocess.Popen[bytes]], stopping: threading.Event) -> None:
+    """From now on, until ``stopping`` is set, exits this process (status ``RANK_DIED``) as
+    soon as one of ``ranks`` exits, killing the others (a thread's; the worker's supervisor
+    restarts the group, and the kvstore gives the worker's requests back to the queue)."""
+
+    def run() -> None:
+        while not stopping.wait(WATCH_INTERVAL_S):
+            dead = [(r, p.returncode) for r, p in enumerate(ranks, 1) if p.poll() is not None]
+            if dead and not stopping.is_set():
+                log.error("rank(s) %s exited (status): the group goes down with them", dead)
+                for process in ranks:
+                    process.kill()
+                logging.shutdown()
+                os._exit(RANK_DIED)
+
+    threading.Thread(target=run, name="rank-watch", daemon=True).start()
 
 
 def rank_device(device: str, rank: int) -> str:
@@ -120,6 +149,17 @@ def rank_device(device: str, rank: int) -> str:
         return device
     first = int(device.partition(":")[2] or 0)
     return f"cuda:{first + rank}"
+
+
+def die_with_parent() -> None:
+    """This process gets SIGKILL when its parent (rank 0) exits (Linux's parent-death signal);
+    it exits now if the parent is gone already."""
+    parent = os.getppid()
+    with contextlib.suppress(OSError, AttributeError):  # not Linux: rank 0's exit ends it later
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if parent == 1 or os.getppid() != parent:
+        os._exit(RANK_DIED)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -134,9 +174,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     options.configure_logging(args.log_level)
+    die_with_parent()
     group = join_group(args.rank, args.size, args.init, args.device, args.timeout_s)
     try:
         model, _ = load_sharded_model(args.model, args.dtype, args.device, group)
+        tune_gc_for_serving()  # as rank 0: a young collection per plan would cost milliseconds
         serve_rank(model, group, args.device)
     finally:
         leave_group()

@@ -100,6 +100,7 @@ def load_sharded_model(
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     torch_dtype = _torch_dtype(config, dtype, device)
     net = load_sharded(path, group, torch_dtype, device, ATTN_NAME)
+    fuse_on_cuda(net)
     log.info(
         "rank %d of %d: %s shards ready, %s on %s, %.1f s",
         group.rank,
@@ -110,6 +111,19 @@ def load_sharded_model(
         time.perf_counter() - started,
     )
     return net, load_tokenizer(model)
+
+
+def fuse_on_cuda(net: PreTrainedModel) -> None:
+    """Fuses the forwards of a half-precision model on CUDA (``compute.model.fused``)."""
+    if net.device.type == "cuda" and net.dtype in (torch.float16, torch.bfloat16):
+        fused = fuse_layers(net)
+        log.info(
+            "fused forwards: %d RMSNorm, %d attention, %d MLP and %d decoder-layer modules",
+            fused.norms,
+            fused.attentions,
+            fused.mlps,
+            fused.layers,
+        )
 
 
 def load_model(
@@ -152,15 +166,7 @@ def load_model(
         tokenizer = load_tokenizer(model)
     log.info("moving model to %s", device)
     net = net.to(device).eval()
-    if net.device.type == "cuda" and net.dtype in (torch.float16, torch.bfloat16):
-        fused = fuse_layers(net)
-        log.info(
-            "fused forwards: %d RMSNorm, %d attention, %d MLP and %d decoder-layer modules",
-            fused.norms,
-            fused.attentions,
-            fused.mlps,
-            fused.layers,
-        )
+    fuse_on_cuda(net)
     params = sum(p.numel() for p in net.parameters())
     log.info(
         "model ready: %.1fM parameters, %s on %s, attention %r, %.1f s",

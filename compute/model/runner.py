@@ -26,8 +26,8 @@ from compute.model.graphs import DecodeGraphs
 from compute.model.mixed_graphs import MIXED_GRAPH_MODEL_TYPES, MixedGraphs
 from compute.parallel.layers import TPGroup
 from compute.parallel.step_plan import (
-    PlannedChunk,
     StepPlan,
+    TableMirror,
     broadcast_fed,
     receive_plan,
     send_plan,
@@ -110,7 +110,9 @@ class ModelRunner:
         token counts (a profile's scratch runner; default: ``token_buckets``). ``startup_s``:
         the seconds construction spent compiling kernels and capturing each kind of graph.
         ``group``: the model is this rank's shards (``compute.parallel``) and ``pool`` its KV
-        heads; rank 0 sends every call to the other ranks, which ``follow`` it."""
+        heads; rank 0 sends every call to the other ranks, which ``follow`` it. Every rank
+        captures the same graphs in the same order (their all-reduces pair up), and replays the
+        ones rank 0 does, since each takes the same path for the same call."""
         config = model.config
         if config._attn_implementation != ATTN_NAME:
             raise ValueError(
@@ -119,9 +121,8 @@ class ModelRunner:
             )
         dtype = str(model.dtype).removeprefix("torch.")
         self.group = group
+        self._mirror = TableMirror()  # the block tables of the group's last forward plan
         ranks = group.size if group is not None else 1
-        if ranks > 1 and pool.is_cuda and (cuda_graph_max_batch or cuda_graph_max_tokens):
-            raise ValueError("CUDA graphs under tensor parallelism are not built yet (issue 36)")
         geometry = kv_geometry(config, dtype, ranks)
         want = (
             geometry.num_layers,
@@ -192,7 +193,7 @@ class ModelRunner:
         if not copies:
             return
         if (group := self._leader_group()) is not None:
-            send_plan(StepPlan("copy", copies=list(copies)), group, self.device)
+            send_plan(StepPlan("copy", copies=list(copies)), group)
         src = to_device([s for s, _ in copies], self.device)  # [N]
         dst = to_device([d for _, d in copies], self.device)  # [N]
         copy_blocks_inplace(self.pool, src, dst)
@@ -345,15 +346,12 @@ class ModelRunner:
     def _send_forward(
         self, batch: Sequence[ScheduledChunk], feed: Feed | None, group: TPGroup
     ) -> None:
-        chunks = [
-            PlannedChunk(list(c.token_ids), c.start, list(c.block_ids), c.every_row, c.key)
-            for c in batch
-        ]
+        chunks = self._mirror.plan(batch)
         if feed is None:
-            send_plan(StepPlan("forward", chunks), group, self.device)
+            send_plan(StepPlan("forward", chunks), group)
             return
         rows = len(feed.source)
-        send_plan(StepPlan("forward", chunks, rows, feed.rows, feed.chunks), group, self.device)
+        send_plan(StepPlan("forward", chunks, rows, feed.rows, feed.chunks), group)
         broadcast_fed(feed.source, rows, group, self.device)
 
     def follow(self) -> StepPlan:
@@ -361,7 +359,7 @@ class ModelRunner:
         (``map``: a new pool; ``stop``), which it returns."""
         assert self.group is not None and self.group.rank > 0, "rank 0 leads, it does not follow"
         while True:
-            plan = receive_plan(self.group, self.device)
+            plan = receive_plan(self.group)
             if plan.kind in ("map", "stop"):
                 return plan
             if plan.kind == "copy":
@@ -372,15 +370,15 @@ class ModelRunner:
                 source = broadcast_fed(None, plan.fed_len, self.group, self.device)
                 feed = Feed(source, plan.fed_rows, plan.fed_chunks)
             batch = [
-                ScheduledChunk(c.token_ids, c.start, c.block_ids, c.every_row, c.key)
-                for c in plan.chunks
+                ScheduledChunk(c.token_ids, c.start, table, c.every_row, c.key)
+                for c, table in zip(plan.chunks, self._mirror.tables(plan.chunks), strict=True)
             ]
             self.forward(batch, feed)
 
     def stop_followers(self) -> None:
         """Rank 0: the other ranks' ``follow`` returns."""
         if (group := self._leader_group()) is not None:
-            send_plan(StepPlan("stop"), group, self.device)
+            send_plan(StepPlan("stop"), group)
 
     def _table_rows(self, batch: Sequence[ScheduledChunk], width: int) -> TableRows:
         """The step's block tables as rows of ``self.tables`` and the writes they need."""

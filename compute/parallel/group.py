@@ -20,23 +20,26 @@ log = logging.getLogger("pagedserve.compute")
 def join_group(rank: int, size: int, init_method: str, device: str, timeout_s: float) -> TPGroup:
     """Rank ``rank`` of ``size`` joins at ``init_method`` (``tcp://host:port``, rank 0's), within
     ``timeout_s`` (also the longest any collective may wait: a rank that dies shows as its
-    peers' error at the latest then). On CUDA the rank's device becomes the current one."""
+    peers' error at the latest then). On CUDA the rank's device becomes the current one, and a
+    gloo group beside the NCCL one carries the host's messages (``TPGroup.host``)."""
     backend = "nccl" if device.startswith("cuda") else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
     if backend == "nccl":
-        torch.cuda.set_device(torch.device(device))
+        torch.cuda.set_device(torch.device(device).index or 0)  # "cuda": the first visible
     dist.init_process_group(
-        backend,
-        init_method=init_method,
-        rank=rank,
-        world_size=size,
-        timeout=datetime.timedelta(seconds=timeout_s),
+        backend, init_method=init_method, rank=rank, world_size=size, timeout=timeout
     )
+    host = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else None
     log.info("rank %d of %d joined the group at %s (%s)", rank, size, init_method, backend)
-    return TPGroup(rank, size)
+    return TPGroup(rank, size, host=host)
 
 
 def leave_group() -> None:
-    if dist.is_initialized():
+    """Leaves the group: gloo's is destroyed; NCCL's communicators are left to the process's
+    exit, because destroying (or aborting) one that a live CUDA graph captured hangs (seen on
+    H200s, torch's ``destroy_process_group`` and ``_abort_process_group`` alike), and the
+    runner's graphs live until the process ends."""
+    if dist.is_initialized() and dist.get_backend() != "nccl":
         dist.destroy_process_group()
 
 

@@ -41,12 +41,15 @@ __all__ = [
 
 @dataclass(frozen=True)
 class TPGroup:
-    """This process's place in a tensor-parallel group: ``rank`` of ``size``, communicating over
-    ``group`` (a ``torch.distributed`` process group; None: the default one)."""
+    """This process's place in a tensor-parallel group: ``rank`` of ``size``, exchanging
+    activations over ``group`` (a ``torch.distributed`` process group of the devices' backend;
+    None: the default one) and host data over ``host`` (a gloo group of CPU tensors; None: the
+    default one, which must then be gloo)."""
 
     rank: int
     size: int
     group: Any = None
+    host: Any = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
@@ -106,9 +109,9 @@ class ColumnParallelLinear(nn.Module):
     ) -> None:
         super().__init__()
         self.rows, self.group = rows, group
-        out = rows.stop - rows.start
-        self.weight = _empty((out, in_features), **factory)
-        self.bias = _empty((out,), **factory) if bias else None
+        self.in_features, self.out_features = in_features, rows.stop - rows.start  # as a Linear's
+        self.weight = _empty((self.out_features, in_features), **factory)
+        self.bias = _empty((self.out_features,), **factory) if bias else None
 
     def slice_of(self, name: str) -> TensorSlice:
         return self.rows
@@ -126,7 +129,8 @@ class RowParallelLinear(nn.Module):
     ) -> None:
         super().__init__()
         self.cols, self.group = even_slice(in_features, 1, group), group
-        self.weight = _empty((out_features, self.cols.stop - self.cols.start), **factory)
+        self.in_features, self.out_features = self.cols.stop - self.cols.start, out_features
+        self.weight = _empty((out_features, self.in_features), **factory)
         self.bias = _empty((out_features,), **factory) if bias else None
 
     def slice_of(self, name: str) -> TensorSlice | None:
@@ -151,6 +155,7 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, vocab: int, dim: int, group: TPGroup, **factory: Any) -> None:
         super().__init__()
         self.rows, self.group = vocab_rows(vocab, group), group
+        self.num_embeddings = vocab  # the whole vocabulary's, as an Embedding's
         self.weight = _empty((self.rows.stop - self.rows.start + self.rows.pad, dim), **factory)
 
     def slice_of(self, name: str) -> TensorSlice:
@@ -171,7 +176,8 @@ class ParallelLMHead(nn.Module):
         self, vocab: int, dim: int, group: TPGroup, tied: nn.Parameter | None = None, **factory: Any
     ) -> None:
         super().__init__()
-        self.vocab, self.rows, self.group = vocab, vocab_rows(vocab, group), group
+        self.rows, self.group = vocab_rows(vocab, group), group
+        self.out_features = vocab  # the whole vocabulary's logits, as a Linear head's
         shape = (self.rows.stop - self.rows.start + self.rows.pad, dim)
         self.weight = tied if tied is not None else _empty(shape, **factory)
 
@@ -180,4 +186,4 @@ class ParallelLMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.group.gather_last(functional.linear(hidden, self.weight))
-        return logits[..., : self.vocab]
+        return logits[..., : self.out_features]

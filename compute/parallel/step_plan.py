@@ -5,14 +5,17 @@ protocol between the ranks of one worker group.
 One ``StepPlan`` per call (``map``: the kvstore's pool, every rank's, and the runner's
 settings, sent whenever rank 0 maps a pool; ``forward``: the step's chunks, and which chunks
 take their token from the device; ``copy``: copy-on-write block copies; ``stop``), encoded with
-msgspec (no pickle) and broadcast over the group as bytes: its length, then its bytes. A
-forward's fed tokens (drawn on the device by the step before: the overlap of host and device
-work) follow as one device tensor broadcast from rank 0, so no rank waits for the host to see
-them.
+msgspec (no pickle) and broadcast as bytes, its length then its bytes, over the group's host
+channel (``TPGroup.host``: gloo, CPU tensors), so that a rank receives its next plan while its
+GPU still runs the step before: a broadcast over NCCL would reach the host only once the rank's
+stream had drained. A forward's fed tokens (drawn on the device by the step before: the overlap
+of host and device work) follow as one device tensor broadcast from rank 0 over the device
+group, so no rank waits for the host to see them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
 import msgspec
@@ -26,7 +29,10 @@ __all__ = [
     "PlannedChunk",
     "RunnerSettings",
     "StepPlan",
+    "TableMirror",
     "broadcast_fed",
+    "decode_plan",
+    "encode_plan",
     "receive_plan",
     "send_plan",
 ]
@@ -35,13 +41,58 @@ PlanKind = Literal["map", "forward", "copy", "stop"]
 
 
 class PlannedChunk(msgspec.Struct, frozen=True, array_like=True):
-    """A ``ScheduledChunk`` of the step (the runner's record of one request's share)."""
+    """A ``ScheduledChunk`` of the step (the runner's record of one request's share), its block
+    table as a change (``TableMirror``): the first ``kept`` blocks of the table its ``key`` had
+    in the forward plan before, then ``blocks``."""
 
     token_ids: list[int]
     start: int
-    block_ids: list[int]
+    kept: int
+    blocks: list[int]
     every_row: bool = False
     key: str | None = None
+
+
+class TableMirror:
+    """The block tables of the last forward plan, by sequence key. Rank 0 keeps one to send each
+    table as its change since that plan (``plan``: mostly nothing, or one block appended), every
+    other rank one to rebuild the tables (``tables``); both forget the keys a plan leaves out.
+    A 256-decode step of 1k-token contexts is then ~2k integers, not ~17k."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, list[int]] = {}
+
+    def plan(
+        self, chunks: Sequence[tuple[Sequence[int], int, Sequence[int], bool, str | None]]
+    ) -> list[PlannedChunk]:
+        """Rank 0: the planned chunks of ``(token_ids, start, block_ids, every_row, key)``."""
+        last, now = self._last, {}
+        planned = []
+        for token_ids, start, block_ids, every_row, key in chunks:
+            table = list(block_ids)  # a copy: the caller's list grows in place
+            kept = 0
+            if key is not None:
+                old = last.get(key)
+                if old is not None and table[: len(old)] == old:
+                    kept = len(old)
+                now[key] = table
+            planned.append(PlannedChunk(list(token_ids), start, kept, table[kept:], every_row, key))
+        self._last = now
+        return planned
+
+    def tables(self, planned: Sequence[PlannedChunk]) -> list[list[int]]:
+        """Another rank: each planned chunk's whole block table."""
+        last, now = self._last, {}
+        tables = []
+        for chunk in planned:
+            table = chunk.blocks
+            if chunk.key is not None:
+                if chunk.kept:
+                    table = last[chunk.key][: chunk.kept] + chunk.blocks
+                now[chunk.key] = table
+            tables.append(table)
+        self._last = now
+        return tables
 
 
 class RunnerSettings(msgspec.Struct, frozen=True):
@@ -72,23 +123,28 @@ _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(StepPlan)
 
 
-def send_plan(plan: StepPlan, group: TPGroup, device: torch.device) -> None:
-    """Rank 0: broadcasts ``plan`` (its length, then its bytes) from tensors on ``device``
-    (the group's backend's: CUDA for NCCL, CPU for gloo)."""
-    payload = _ENCODER.encode(plan)
-    length = torch.tensor([len(payload)], dtype=torch.int64, device=device)
-    dist.broadcast(length, 0, group=group.group)
-    data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
-    dist.broadcast(data, 0, group=group.group)
+def encode_plan(plan: StepPlan) -> bytes:
+    return _ENCODER.encode(plan)
 
 
-def receive_plan(group: TPGroup, device: torch.device) -> StepPlan:
-    """Another rank: the plan rank 0 sent next."""
-    length = torch.empty(1, dtype=torch.int64, device=device)
-    dist.broadcast(length, 0, group=group.group)
-    data = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
-    dist.broadcast(data, 0, group=group.group)
-    return _DECODER.decode(data.cpu().numpy().tobytes())
+def decode_plan(payload: bytes) -> StepPlan:
+    return _DECODER.decode(payload)
+
+
+def send_plan(plan: StepPlan, group: TPGroup) -> None:
+    """Rank 0: broadcasts ``plan`` (its length, then its bytes) over the host channel."""
+    payload = encode_plan(plan)
+    dist.broadcast(torch.tensor([len(payload)], dtype=torch.int64), 0, group=group.host)
+    dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), 0, group=group.host)
+
+
+def receive_plan(group: TPGroup) -> StepPlan:
+    """Another rank: the plan rank 0 sent next (waits for it on the host only)."""
+    length = torch.empty(1, dtype=torch.int64)
+    dist.broadcast(length, 0, group=group.host)
+    data = torch.empty(int(length.item()), dtype=torch.uint8)
+    dist.broadcast(data, 0, group=group.host)
+    return decode_plan(data.numpy().tobytes())
 
 
 def broadcast_fed(

@@ -9,14 +9,18 @@ instead, as accurate as SDPA's bf16 (``check_as_accurate_as_sdpa``).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import pytest
 import torch
+from transformers import PreTrainedModel
 
 from compute.model.fused import fuse_layers
 from compute.model.models import FAMILIES, load_model, tiny_family_config
 from compute.model.runner import Feed, ModelRunner, ScheduledChunk
 from tests.compute.driver import (
     GreedyDriver,
+    Seq,
     moved,
     paged_model,
     reference_model,
@@ -50,14 +54,18 @@ def check_against_sdpa(driver: GreedyDriver, tol: float) -> None:
             assert token == best or want[i, best] - want[i, token] <= 2 * tol * scale
 
 
-def check_as_accurate_as_sdpa(driver: GreedyDriver, margin: float = 1.5) -> None:
-    """The fused forwards round differently from transformers' (``compute.model.fused``), so their
-    logits are compared with the truth instead: an fp32 forward over the same tokens. Their
-    error must stay within ``margin`` times the error of transformers' own bf16 SDPA forward
-    (plus 1% of the logit scale), and every greedy choice be the truth's unless a near tie."""
-    sdpa = reference_model(driver.model)
-    exact = moved(reference_model(driver.model), sdpa.device, torch.float32)
-    for seq in driver.seqs.values():
+def check_as_accurate_as_sdpa(
+    seqs: Iterable[Seq], model: PreTrainedModel, margin: float = 1.5
+) -> None:
+    """The fused forwards round differently from transformers' (``compute.model.fused``), so the
+    logits of ``seqs`` are compared with the truth instead: an fp32 forward of ``model`` (the
+    paged model they ran on, or the whole model its shards stand for) over the same tokens.
+    Their error must stay within ``margin`` times the error of transformers' own bf16 SDPA
+    forward (plus 1% of the logit scale), and every greedy choice be the truth's unless a near
+    tie."""
+    sdpa = reference_model(model)
+    exact = moved(reference_model(model), sdpa.device, torch.float32)
+    for seq in seqs:
         got = torch.stack(seq.sampled_logits).float()  # [n_out, vocab]
         with torch.inference_mode():
             ids = torch.tensor([seq.tokens[:-1]], device=sdpa.device)
@@ -89,7 +97,7 @@ def test_cuda_chunked_prefill_and_decode_match_sdpa(
     driver = run_chunked_schedule(model, prompts, MAX_NEW)
     assert driver.steps[1][2:] == [("r2", 26, 7), ("r3", 0, 39)]  # chunks mixed with decodes
     if fused:
-        check_as_accurate_as_sdpa(driver)
+        check_as_accurate_as_sdpa(driver.seqs.values(), driver.model)
     else:
         check_against_sdpa(driver, tol=0.03)
 
@@ -113,7 +121,7 @@ def test_cuda_graph_decodes_match_sdpa(family: str, cuda: torch.device) -> None:
     driver.run()
     graphs = driver.runner.graphs
     assert graphs is not None and graphs.replays >= 20  # every step after the prefill
-    check_as_accurate_as_sdpa(driver)
+    check_as_accurate_as_sdpa(driver.seqs.values(), driver.model)
 
 
 @pytest.mark.gpu
@@ -146,7 +154,7 @@ def test_cuda_graphs_of_mixed_steps_match_sdpa(family: str, cuda: torch.device) 
     assert any(t > 128 for t in tokens) and sum(t <= 128 for t in tokens) >= 8
     assert any(sum(n > 1 for *_, n in step) > 1 for step in steps), "no step of two prompts"
     assert mixed.replays == sum(t <= 128 for t in tokens)
-    check_as_accurate_as_sdpa(driver)
+    check_as_accurate_as_sdpa(driver.seqs.values(), driver.model)
 
 
 @pytest.mark.gpu

@@ -31,6 +31,7 @@ from compute.model.runner import Feed, ModelRunner, ScheduledChunk
 from compute.parallel.group import free_port
 from compute.parallel.layers import TensorSlice, TPGroup, head_rows, vocab_rows
 from compute.parallel.sharding import SHARDED_FAMILIES, load_sharded
+from compute.parallel.step_plan import StepPlan, TableMirror, decode_plan, encode_plan
 from tests.compute.driver import GreedyDriver, garbage_pool, generate_greedy
 
 PROMPT = [1, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]
@@ -55,6 +56,32 @@ def test_the_vocabulary_splits_in_equal_padded_shares() -> None:
     assert vocab_rows(5, TPGroup(3, 4)) == TensorSlice(0, 5, 5, pad=2)  # a share of padding
     with pytest.raises(ValueError, match="rank 2"):
         TPGroup(2, 2)
+
+
+def test_block_tables_travel_as_their_changes_and_come_back_whole() -> None:
+    sender, receiver = TableMirror(), TableMirror()
+    steps: list[list[tuple[list[int], int, list[int], bool, str | None]]] = [
+        [
+            ([5], 30, [3, 9], False, "a"),
+            ([6], 16, [4, 2], False, "b"),
+            ([7, 8], 0, [1], False, None),
+        ],
+        [([9], 31, [3, 9], False, "a"), ([1], 17, [4, 2, 7], False, "b")],  # b grew a block
+        [([2], 32, [3, 11], False, "a")],  # a's last block copied on write; b not scheduled
+        [([4], 18, [4, 2, 7], False, "b"), ([3], 33, [3, 11, 12], False, "a")],
+    ]
+    sent = []
+    for step in steps:
+        planned = sender.plan(step)
+        sent.append([(c.kept, c.blocks) for c in planned])
+        received = decode_plan(encode_plan(StepPlan("forward", planned))).chunks
+        assert receiver.tables(received) == [list(blocks) for _, _, blocks, _, _ in step]
+    assert sent == [
+        [(0, [3, 9]), (0, [4, 2]), (0, [1])],
+        [(2, []), (2, [7])],
+        [(0, [3, 11])],  # a table that changed inside travels whole
+        [(0, [4, 2, 7]), (2, [12])],  # so does one a plan left out
+    ]
 
 
 # ---------------------------------------------------------------------- rank processes

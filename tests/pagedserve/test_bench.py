@@ -11,8 +11,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from pagedserve.bench import tokenizer_of
-from pagedserve.bench_workloads import TextMaker, build, parse_range
+from pagedserve.bench_workloads import Lengths, TextMaker, build, parse_lengths
 from tests.conftest import ROOT
 from tests.stack import Stack
 
@@ -38,7 +40,9 @@ def test_a_burst_of_random_requests(stack: Stack, tmp_path: Path) -> None:
     result, stdout, stderr = bench(stack, tmp_path, *flags, "--tokenizer", "tiny", "--seed", "3")
     assert (result["completed"], result["failed"]) == (12, 0)
     decode, vocab = tokenizer_of("tiny")  # the very requests the benchmark drew
-    groups = build("random", 12, (8, 40), (4, 12), 3, lambda rng: TextMaker(rng, decode, vocab))
+    groups = build(
+        "random", 12, Lengths(8, 40), Lengths(4, 12), 3, lambda rng: TextMaker(rng, decode, vocab)
+    )
     assert result["output_tokens"] == sum(g[0].max_tokens for g in groups)
     assert [r["output_tokens"] for r in result["requests"]] == [g[0].max_tokens for g in groups]
     assert all(ordered(result[k]) for k in ("ttft_ms", "itl_ms", "e2e_ms", "tpot_ms"))
@@ -113,13 +117,25 @@ def test_failed_requests_are_counted_with_their_error(stack: Stack, tmp_path: Pa
     assert "error: HTTP 404" in stdout
 
 
+def test_lognormal_lengths_have_the_mean_asked_and_stay_in_range() -> None:
+    lengths = parse_lengths("lognormal:4.9:1.0:4:4096")  # mean exp(4.9 + 1/2) = 221
+    rng = random.Random(0)
+    draws = [lengths.draw(rng) for _ in range(20000)]
+    assert 4 <= min(draws) < 20 and 2000 < max(draws) <= 4096
+    assert 205 < sum(draws) / len(draws) < 240
+    assert parse_lengths("5:9") == Lengths(5, 9) and parse_lengths("7") == Lengths(7, 7)
+    for bad in ("lognormal:1:0:4:9", "lognormal:1:1:9:4", "lognormal:x:1:1:2", "lognormal:1:1:1"):
+        with pytest.raises(ValueError, match="lognormal"):
+            parse_lengths(bad)
+
+
 def test_the_same_seed_gives_the_same_requests() -> None:
     def make(seed: int) -> list[list[Any]]:
         groups = build(
             "multi-turn",
             8,
-            parse_range("5:9"),
-            parse_range("2:4"),
+            parse_lengths("5:9"),
+            parse_lengths("2:4"),
             seed,
             lambda rng: TextMaker(rng, None, 0),
             turns=2,
@@ -147,7 +163,9 @@ def test_the_engine_alone_bench_serves_the_requests_the_client_sends(tmp_path: P
     save_word_level_tokenizer(tmp_path, 128256)
     jobs = workload(6, seed=5, tokenizer=str(tmp_path))
     decode, vocab = tokenizer_of(str(tmp_path))
-    groups = build("random", 6, (64, 1024), (32, 512), 5, lambda r: TextMaker(r, decode, vocab))
+    groups = build(
+        "random", 6, Lengths(64, 1024), Lengths(32, 512), 5, lambda r: TextMaker(r, decode, vocab)
+    )
     model = ModelInfo.load(GatewayConfig(model=str(tmp_path)))
     for (turn,), (ids, max_tokens) in zip(groups, jobs, strict=True):
         body = {"model": "m", "max_tokens": turn.max_tokens}

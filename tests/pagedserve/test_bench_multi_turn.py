@@ -20,7 +20,7 @@ from kvstore.device import blocks_for_memory
 from pagedserve.bench import Client, tokenizer_of
 from pagedserve.bench_config import BenchConfig
 from pagedserve.bench_report import Result
-from pagedserve.bench_workloads import TextMaker, build
+from pagedserve.bench_workloads import Lengths, TextMaker, build
 from tests.conftest import ROOT
 from tests.stack import Stack
 
@@ -48,14 +48,14 @@ def test_each_turn_follows_the_last_answer_and_extends_its_prompt(stack: Stack) 
     groups = build(
         "multi-turn",
         0,
-        (8, 8),
-        (4, 6),
+        Lengths(8, 8),
+        Lengths(4, 6),
         7,
         lambda rng: TextMaker(rng, decode, vocab),
         turns=3,
         conversations=3,
-        first_prompt_len=(40, 60),
-        turn_prompt_len=(5, 10),
+        first_prompt_len=Lengths(40, 60),
+        turn_prompt_len=Lengths(5, 10),
     )
     assert len({g[0].text for g in groups}) == 3  # every conversation opens on its own prompt
 

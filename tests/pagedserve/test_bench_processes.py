@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from pagedserve.bench_workloads import TextMaker, build
+from pagedserve.bench_workloads import Lengths, TextMaker, build
 from tests.conftest import ROOT
 
 
@@ -97,7 +97,9 @@ def test_two_processes_send_every_request_once_and_report_as_one(
     every request and token counted, the requests in their order, each sent on the one schedule."""
     flags = [*FLAGS, "--processes", "2", "--request-rate", "40", "--max-concurrency", "3"]
     result, stdout, stderr = bench(fake, tmp_path, *flags)
-    groups = build("random", 16, (5, 30), (3, 12), 7, lambda rng: TextMaker(rng, None, 0))
+    groups = build(
+        "random", 16, Lengths(5, 30), Lengths(3, 12), 7, lambda rng: TextMaker(rng, None, 0)
+    )
     prompts = [g[0].text for g in groups]
     assert sorted(b["prompt"] for b in fake.bodies) == sorted(prompts)  # each exactly once
     assert sorted(fake.senders) == ["0"] * 8 + ["1"] * 8
