@@ -100,8 +100,8 @@ class ComputeConfig:
         "Redis, the scheduling) and starts ranks 1 to N-1 (python -m compute.loop.rank), rank r "
         "on the r-th GPU after --device (on CPU all on the CPU, over gloo); each loads only its "
         "shards of the safetensors checkpoint. The kvstore needs the same "
-        "--tensor-parallel-size. Every rank captures the same CUDA graphs. Not yet: a cost-model "
-        "profile (the default costs are used)",
+        "--tensor-parallel-size. Every rank captures the same CUDA graphs and runs the "
+        "forwards rank 0 times for the cost-model profile",
     )
     log_level: str = options.log_level()
 
@@ -177,15 +177,19 @@ def run(config: ComputeConfig, scheduling: SchedulerConfig) -> None:
             config.model, config.dtype, device, config.tensor_parallel_size, config.log_level
         )
         model, tokenizer = load_sharded_model(config.model, config.dtype, device, group.group)
-        profile_budget = 0.0  # a forward measured on rank 0 alone would hang the group
-        log.info("tensor parallel: no cost-model profile yet")
     else:
         model, tokenizer = load_model(config.model, config.dtype, device)
-        profile_budget = config.profile_budget_s
     phases.done("model")
     graph_tokens = min(config.cuda_graph_max_tokens, scheduling.max_num_batched_tokens)
-    cache = config.profile_cache if group is None else "off"
-    profiles, origin = obtain(config.model, model, 16, graph_tokens, profile_budget, cache)
+    profiles, origin = obtain(
+        config.model,
+        model,
+        16,
+        graph_tokens,
+        config.profile_budget_s,
+        config.profile_cache,
+        group.group if group is not None else None,
+    )
     phases.done("profile")
     r = redis.Redis.from_url(config.redis_url)
     signals: list[int] = []

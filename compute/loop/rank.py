@@ -25,6 +25,7 @@ from pathlib import Path
 from transformers import PreTrainedModel
 
 from compute.model.models import load_sharded_model
+from compute.model.profile import scratch_runner
 from compute.model.runner import ModelRunner
 from compute.parallel.group import free_port, join_group, leave_group
 from compute.parallel.layers import TPGroup
@@ -71,15 +72,24 @@ def build_runner(
     )
 
 
-def serve_rank(model: PreTrainedModel, group: TPGroup, device: str) -> None:
-    """Runs rank 0's plans on this rank until ``stop``."""
+def serve_rank(model: PreTrainedModel, group: TPGroup) -> None:
+    """Runs rank 0's plans on this rank until ``stop``: a runner over each pool rank 0 maps, or
+    over a scratch pool while rank 0 times forwards (the cost-model profile) until it
+    releases it."""
     plan: StepPlan = receive_plan(group)
     while plan.kind != "stop":
-        if plan.kind != "map" or plan.pool is None or plan.settings is None:
+        if plan.kind == "release":
+            plan = receive_plan(group)  # the scratch runner is gone
+            continue
+        if plan.kind == "scratch" and plan.scratch is not None:
+            runner = scratch_runner(model, plan.scratch, group)
+        elif plan.kind == "map" and plan.pool is not None and plan.settings is not None:
+            runner = build_runner(model, plan.pool, plan.settings, group)
+            log.info("rank %d mapped its pool %s", group.rank, list(runner.pool.shape))
+        else:
             raise RuntimeError(f"rank {group.rank}: a {plan.kind!r} plan before any pool")
-        runner = build_runner(model, plan.pool, plan.settings, group)
-        log.info("rank %d mapped its pool %s", group.rank, list(runner.pool.shape))
         plan = runner.follow()
+        del runner  # its pool and graphs, before the next one's
     log.info("rank %d stopped", group.rank)
 
 
@@ -179,7 +189,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         model, _ = load_sharded_model(args.model, args.dtype, args.device, group)
         tune_gc_for_serving()  # as rank 0: a young collection per plan would cost milliseconds
-        serve_rank(model, group, args.device)
+        serve_rank(model, group)
     finally:
         leave_group()
 

@@ -8,6 +8,9 @@ At registration a worker reports two profiles:
   them); the kvstore fits them to price recomputing a prefix against loading it from its CPU tier.
 The timings run on a scratch pool of the worker's own (a worker never writes into blocks the
 kvstore did not issue), one chunk at a time, after a warm-up, synchronised, median of a few runs.
+In a tensor-parallel group rank 0 measures and the other ranks follow: each builds the same
+scratch pool of its own (``scratch_runner``, sent as a ``scratch`` plan) and runs every forward
+rank 0 times, until rank 0 ``release``s it.
 
 ``measure_profiles`` takes both within a ``Budget`` of seconds (the worker's start-up): points in
 order of their work (``forward_work``: FLOPs of the linear layers and of attention), each only if
@@ -31,6 +34,8 @@ from transformers import PreTrainedModel
 
 from compute.model.mixed_graphs import MIXED_GRAPH_MODEL_TYPES, token_buckets
 from compute.model.runner import ModelRunner, ScheduledChunk
+from compute.parallel.layers import TPGroup
+from compute.parallel.step_plan import RunnerSettings, ScratchPool, StepPlan, send_plan
 from contracts.model_config import kv_geometry
 
 log = logging.getLogger("pagedserve.compute")
@@ -155,20 +160,32 @@ def graphs_used(model: PreTrainedModel, graph_tokens: int) -> bool:
 
 
 def measure_profiles(
-    model: PreTrainedModel, block_size: int, graph_tokens: int, budget: Budget
+    model: PreTrainedModel,
+    block_size: int,
+    graph_tokens: int,
+    budget: Budget,
+    group: TPGroup | None = None,
 ) -> Profiles:
-    """Both profiles within ``budget``. Eager forwards (no graphs): one grid, ``DEFAULT_TOKENS``
-    and ``RECOMPUTE_TOKENS`` after no context, ``RECOMPUTE_TOKENS`` after the other
+    """Both profiles within ``budget`` (``group``: of rank 0 of a tensor-parallel group, whose
+    other ranks follow). Eager forwards (no graphs): one grid, ``DEFAULT_TOKENS`` and
+    ``RECOMPUTE_TOKENS`` after no context, ``RECOMPUTE_TOKENS`` after the other
     ``RECOMPUTE_CONTEXTS``; the prefill profile is its points after no context."""
     budget.start()
     skipped_before = len(budget.skipped)
     if graphs_used(model, graph_tokens):
-        prefill = measure_prefill(model, block_size, budget=budget)
-        recompute = measure_recompute(model, block_size, graph_tokens, budget=budget)
+        prefill = measure_prefill(model, block_size, budget=budget, group=group)
+        recompute = measure_recompute(model, block_size, graph_tokens, budget=budget, group=group)
     else:
         tokens = tuple(sorted({*DEFAULT_TOKENS, *RECOMPUTE_TOKENS}))
         recompute = measure_recompute(
-            model, block_size, 0, tokens, RECOMPUTE_CONTEXTS, budget=budget, only=RECOMPUTE_TOKENS
+            model,
+            block_size,
+            0,
+            tokens,
+            RECOMPUTE_CONTEXTS,
+            budget=budget,
+            only=RECOMPUTE_TOKENS,
+            group=group,
         )
         prefill = sorted((t, s) for t, c, s in recompute.points if c == 0)
     assert budget.started is not None
@@ -182,6 +199,7 @@ def measure_prefill(
     token_counts: tuple[int, ...] = DEFAULT_TOKENS,
     repeats: int = 3,
     budget: Budget | None = None,
+    group: TPGroup | None = None,
 ) -> list[tuple[int, float]]:
     """Median seconds of one prefill forward for each prompt length in ``token_counts`` (within
     ``budget``: the ones it leaves out are missing), by prompt length."""
@@ -189,8 +207,8 @@ def measure_prefill(
     if budget.left() <= 0:
         budget.skipped.extend(token_counts)
         return []
-    pool = _scratch_pool(model, block_size, max(token_counts))
-    runner = ModelRunner(model, pool, block_size)
+    settings = RunnerSettings(block_size, 0, 0, 256)
+    runner = lead_scratch(model, ScratchPool(max(token_counts), False, settings), group)
     vocab = model.config.get_text_config().vocab_size
     generator = torch.Generator().manual_seed(0)
     prompts = {t: torch.randint(0, vocab, (t,), generator=generator).tolist() for t in token_counts}
@@ -202,7 +220,10 @@ def measure_prefill(
         log.info("prefill profile: %d tokens in %.2f ms", tokens, seconds * 1e3)
         return seconds
 
-    timed = measure_points(token_counts, lambda t: work((t, 0)), run, budget, repeats)
+    try:
+        timed = measure_points(token_counts, lambda t: work((t, 0)), run, budget, repeats)
+    finally:
+        runner.stop_followers("release")
     return sorted(timed)
 
 
@@ -215,6 +236,7 @@ def measure_recompute(
     repeats: int = 3,
     budget: Budget | None = None,
     only: tuple[int, ...] | None = None,
+    group: TPGroup | None = None,
 ) -> RecomputeProfile:
     """Median seconds of one forward prefilling ``tokens`` after ``context`` cached tokens, for
     each pair (``only``: the token counts timed after a context other than 0; default all);
@@ -237,7 +259,7 @@ def measure_recompute(
         budget.skipped.extend(pairs)
         return RecomputeProfile([], buckets)
     needed = sorted({next((b for b in buckets if b >= t), t) for t, _ in pairs} & set(buckets))
-    timed = _time_recompute(model, block_size, pairs, needed, budget, repeats)
+    timed = _time_recompute(model, block_size, pairs, needed, budget, repeats, group)
     if model.device.type == "cuda":
         torch.cuda.empty_cache()  # the scratch pool and graphs are gone
     points = sorted((t, c, s) for (t, c), s in timed)
@@ -252,13 +274,13 @@ def _time_recompute(
     buckets: list[int],
     budget: Budget,
     repeats: int,
+    group: TPGroup | None,
 ) -> list[tuple[tuple[int, int], float]]:
     """``measure_points`` over ``pairs`` on a scratch pool and runner (CUDA graphs of the
     token counts ``buckets``), both freed on return."""
     longest = max(c + t for t, c in pairs)
-    pool = _scratch_pool(model, block_size, longest, zeroed=True)
-    graphed = max(buckets, default=0)
-    runner = ModelRunner(model, pool, block_size, 0, graphed, cuda_graph_token_buckets=buckets)
+    settings = RunnerSettings(block_size, 0, max(buckets, default=0), 256, buckets)
+    runner = lead_scratch(model, ScratchPool(longest, True, settings), group)
     vocab = model.config.get_text_config().vocab_size
     generator = torch.Generator().manual_seed(1)
     prompts = {t: torch.randint(0, vocab, (t,), generator=generator).tolist() for t, _ in pairs}
@@ -271,14 +293,41 @@ def _time_recompute(
         log.info("recompute profile: %d tokens after %d in %.2f ms", tokens, context, seconds * 1e3)
         return seconds
 
-    return measure_points(pairs, forward_work(model), run, budget, repeats)
+    try:
+        return measure_points(pairs, forward_work(model), run, budget, repeats)
+    finally:
+        runner.stop_followers("release")
+
+
+def lead_scratch(model: PreTrainedModel, spec: ScratchPool, group: TPGroup | None) -> ModelRunner:
+    """``scratch_runner``; on rank 0 of a group, once the other ranks are told to build theirs
+    (they follow it until its ``stop_followers("release")``)."""
+    if group is not None and group.size > 1 and group.rank == 0:
+        send_plan(StepPlan("scratch", scratch=spec), group)
+    return scratch_runner(model, spec, group)
+
+
+def scratch_runner(model: PreTrainedModel, spec: ScratchPool, group: TPGroup | None) -> ModelRunner:
+    """A runner over a scratch pool of ``spec`` (this rank's KV heads in a group)."""
+    s = spec.settings
+    pool = _scratch_pool(model, s.block_size, spec.tokens, spec.zeroed, group)
+    buckets = s.token_buckets
+    return ModelRunner(
+        model, pool, s.block_size, s.cuda_graph_max_batch, s.cuda_graph_max_tokens, s.max_chunks,
+        buckets, group=group,
+    )  # fmt: skip
 
 
 def _scratch_pool(
-    model: PreTrainedModel, block_size: int, tokens: int, zeroed: bool = False
+    model: PreTrainedModel,
+    block_size: int,
+    tokens: int,
+    zeroed: bool = False,
+    group: TPGroup | None = None,
 ) -> torch.Tensor:
     """A pool of the kvstore's layout holding ``tokens`` tokens, never exported."""
-    geometry = kv_geometry(model.config, str(model.dtype).removeprefix("torch."))
+    ranks = group.size if group is not None else 1
+    geometry = kv_geometry(model.config, str(model.dtype).removeprefix("torch."), ranks)
     shape = [
         -(-tokens // block_size),
         geometry.num_layers,

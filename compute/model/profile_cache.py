@@ -25,6 +25,7 @@ import torch
 from transformers import PreTrainedModel
 
 from compute.model.profile import Budget, Profiles, RecomputeProfile, measure_profiles
+from compute.parallel.layers import TPGroup
 from kvstore import protocol as p
 
 log = logging.getLogger("pagedserve.compute")
@@ -39,8 +40,8 @@ class ProfileKey(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """What a profile was measured for: ``model`` (the checkpoint's path, or ``tiny``),
     ``model_files`` (a digest of its files' names, sizes and modification times), ``device``
     (``describe_device``), ``dtype``, ``code`` (a digest of the package versions and of the
-    forward path's sources), the block size and the tokens of the worker's graphs of prefill
-    steps."""
+    forward path's sources), the block size, the tokens of the worker's graphs of prefill
+    steps and the ranks of its tensor-parallel group."""
 
     model: str
     model_files: str
@@ -49,6 +50,7 @@ class ProfileKey(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     code: str
     block_size: int
     graph_tokens: int
+    ranks: int = 1
 
     def file_name(self) -> str:
         return hashlib.sha256(msgspec.json.encode(self)).hexdigest()[:24] + ".json"
@@ -133,7 +135,7 @@ def model_files(model: str) -> str:
 
 
 def profile_key(
-    model_name: str, model: PreTrainedModel, block_size: int, graph_tokens: int
+    model_name: str, model: PreTrainedModel, block_size: int, graph_tokens: int, ranks: int = 1
 ) -> ProfileKey:
     path = Path(model_name)
     return ProfileKey(
@@ -144,6 +146,7 @@ def profile_key(
         code_version(),
         block_size,
         graph_tokens,
+        ranks,
     )
 
 
@@ -213,13 +216,16 @@ def obtain(
     graph_tokens: int,
     budget_s: float,
     cache: str,
+    group: TPGroup | None = None,
 ) -> tuple[Profiles, p.ProfileOrigin]:
     """The profiles a worker registers with and where they came from: the cache's for this
     key (unless a budget left points out of it and ``budget_s`` is larger: measured again),
     else measured now within ``budget_s`` (and cached), else none (a budget of 0: the
-    kvstore's priors)."""
+    kvstore's priors). ``group``: the worker is rank 0 of this tensor-parallel group, whose
+    other ranks follow the measured forwards."""
     directory = cache_dir(cache)
-    key = profile_key(model_name, model, block_size, graph_tokens)
+    ranks = group.size if group is not None else 1
+    key = profile_key(model_name, model, block_size, graph_tokens, ranks)
     cached = load(directory, key) if directory is not None else None
     if cached is not None and cached.skipped and budget_s > cached.budget_s:
         log.info(
@@ -248,7 +254,7 @@ def obtain(
         return empty, p.ProfileOrigin("prior", 0.0, 0.0, 0)
     log.info("cost-model profile: measuring forwards for at most %.0f s", budget_s)
     measured_at = time.time()
-    profiles = measure_profiles(model, block_size, graph_tokens, Budget(budget_s))
+    profiles = measure_profiles(model, block_size, graph_tokens, Budget(budget_s), group)
     points = len(profiles.prefill) + len(profiles.recompute.points)
     log.info(
         "cost-model profile measured in %.1f s: %d prefill and %d recompute points, %d left out "

@@ -356,11 +356,12 @@ class ModelRunner:
 
     def follow(self) -> StepPlan:
         """A rank other than 0: runs every call rank 0 sends, until one that is not a runner's
-        (``map``: a new pool; ``stop``), which it returns."""
+        (``map`` or ``scratch``: a new pool; ``release``: this runner's end; ``stop``), which it
+        returns."""
         assert self.group is not None and self.group.rank > 0, "rank 0 leads, it does not follow"
         while True:
             plan = receive_plan(self.group)
-            if plan.kind in ("map", "stop"):
+            if plan.kind in ("map", "scratch", "release", "stop"):
                 return plan
             if plan.kind == "copy":
                 self.copy_blocks(plan.copies)
@@ -375,10 +376,11 @@ class ModelRunner:
             ]
             self.forward(batch, feed)
 
-    def stop_followers(self) -> None:
-        """Rank 0: the other ranks' ``follow`` returns."""
+    def stop_followers(self, kind: Literal["stop", "release"] = "stop") -> None:
+        """Rank 0: the other ranks' ``follow`` returns (``release``: this runner is done with,
+        the group goes on; ``stop``: the group ends)."""
         if (group := self._leader_group()) is not None:
-            send_plan(StepPlan("stop"), group)
+            send_plan(StepPlan(kind), group)
 
     def _table_rows(self, batch: Sequence[ScheduledChunk], width: int) -> TableRows:
         """The step's block tables as rows of ``self.tables`` and the writes they need."""

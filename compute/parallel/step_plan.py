@@ -28,6 +28,7 @@ from kvstore.protocol import PoolInfo
 __all__ = [
     "PlannedChunk",
     "RunnerSettings",
+    "ScratchPool",
     "StepPlan",
     "TableMirror",
     "broadcast_fed",
@@ -37,7 +38,7 @@ __all__ = [
     "send_plan",
 ]
 
-PlanKind = Literal["map", "forward", "copy", "stop"]
+PlanKind = Literal["map", "scratch", "forward", "copy", "release", "stop"]
 
 
 class PlannedChunk(msgspec.Struct, frozen=True, array_like=True):
@@ -102,12 +103,23 @@ class RunnerSettings(msgspec.Struct, frozen=True):
     cuda_graph_max_batch: int
     cuda_graph_max_tokens: int
     max_chunks: int
+    token_buckets: list[int] = []  # of the graphs of mixed steps (default: every bucket)
+
+
+class ScratchPool(msgspec.Struct, frozen=True):
+    """A pool of the rank's own, never the kvstore's, holding ``tokens`` tokens (``zeroed``, or
+    left as allocated), and the runner over it: what the cost-model profile times forwards on."""
+
+    tokens: int
+    zeroed: bool
+    settings: RunnerSettings
 
 
 class StepPlan(msgspec.Struct, frozen=True):
-    """``map``: ``pool`` (its ``ranks``: each rank's) and ``settings``; ``forward``: ``chunks``,
-    of which ``fed_chunks[i]`` takes row ``fed_rows[i]`` of the fed tensor (``fed_len`` rows,
-    broadcast next); ``copy``: ``copies`` as ``(src, dst)`` blocks; ``stop``: the group ends."""
+    """``map``: ``pool`` (its ``ranks``: each rank's) and ``settings``; ``scratch``: a runner
+    over a ``scratch`` pool until ``release``; ``forward``: ``chunks``, of which
+    ``fed_chunks[i]`` takes row ``fed_rows[i]`` of the fed tensor (``fed_len`` rows, broadcast
+    next); ``copy``: ``copies`` as ``(src, dst)`` blocks; ``stop``: the group ends."""
 
     kind: PlanKind
     chunks: list[PlannedChunk] = []
@@ -117,6 +129,7 @@ class StepPlan(msgspec.Struct, frozen=True):
     copies: list[tuple[int, int]] = []
     pool: PoolInfo | None = None
     settings: RunnerSettings | None = None
+    scratch: ScratchPool | None = None
 
 
 _ENCODER = msgspec.msgpack.Encoder()

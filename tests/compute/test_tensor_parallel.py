@@ -31,7 +31,7 @@ from compute.model.runner import Feed, ModelRunner, ScheduledChunk
 from compute.parallel.group import free_port
 from compute.parallel.layers import TensorSlice, TPGroup, head_rows, vocab_rows
 from compute.parallel.sharding import SHARDED_FAMILIES, load_sharded
-from compute.parallel.step_plan import StepPlan, TableMirror, decode_plan, encode_plan
+from compute.parallel.step_plan import StepPlan, TableMirror, decode_plan, encode_plan, send_plan
 from tests.compute.driver import GreedyDriver, garbage_pool, generate_greedy
 
 PROMPT = [1, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]
@@ -219,6 +219,42 @@ def test_two_ranks_serve_paged_requests_as_one_model_does(tmp_path: Path) -> Non
     assert result["outputs"] == expected
     assert result["fed_equal"]  # rank 1 got the fed token, or the all-reduce would differ
     assert all(json.loads((tmp_path / f"copied{r}.json").read_text()) for r in range(2))
+
+
+def run_profile_rank(rank: int, size: int, port: int, model_dir: str, out: str) -> None:
+    """Rank 0 measures both cost-model profiles, then a prefill profile again, then stops the
+    group; rank 1 serves its plans (``serve_rank``): a scratch runner each time, released."""
+    from compute.loop.rank import serve_rank
+    from compute.model.profile import measure_prefill, measure_profiles, unlimited
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size
+    )
+    try:
+        group = TPGroup(rank, size)
+        model = load_sharded(Path(model_dir), group, torch.float32, "cpu", ATTN_NAME)
+        if rank:
+            serve_rank(model, group)  # returns at rank 0's stop
+            Path(out, "followed.json").write_text("true")
+            return
+        try:
+            profiles = measure_profiles(model, BLOCK_SIZE, 0, unlimited(), group)
+            again = measure_prefill(model, BLOCK_SIZE, (16, 64), repeats=1, group=group)
+        finally:
+            send_plan(StepPlan("stop"), group)
+        points = [len(profiles.prefill), len(profiles.recompute.points), len(again)]
+        Path(out, "profile.json").write_text(json.dumps(points))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_rank_0_measures_the_cost_model_profile_and_the_others_follow(tmp_path: Path) -> None:
+    model_dir = tiny_checkpoint("llama", tmp_path / "llama")
+    mp.spawn(run_profile_rank, (2, free_port(), str(model_dir), str(tmp_path)), nprocs=2)
+    # 512 positions: 16-512 tokens after no context, none after 2048
+    assert json.loads((tmp_path / "profile.json").read_text()) == [5, 5, 2]
+    assert json.loads((tmp_path / "followed.json").read_text())
 
 
 def test_a_worker_and_a_kvstore_of_different_group_sizes_say_so() -> None:
