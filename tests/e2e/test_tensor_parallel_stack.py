@@ -109,12 +109,14 @@ def rank_pids() -> list[int]:
     return pids
 
 
-def test_sigkill_of_rank_1_mid_stream_restarts_the_group_and_the_stream_completes(
-    tmp_path: Path,
+@pytest.mark.parametrize("rank", [1, 0])
+def test_sigkill_of_a_rank_mid_stream_restarts_the_group_and_the_stream_completes(
+    rank: int, tmp_path: Path
 ) -> None:
-    """``pagedserve up --tensor-parallel-size 2``: rank 1 gets SIGKILL while a request streams.
-    Rank 0's next collective fails, it exits, ``up`` restarts the worker (which starts a new
-    rank 1), and the restarted group takes its request back: the output is transformers'."""
+    """``pagedserve up --tensor-parallel-size 2``: a rank gets SIGKILL while a request streams.
+    Rank 1: rank 0 sees its process exit and exits too; rank 0 (the worker): rank 1 gets SIGKILL
+    with it (its parent-death signal). ``up`` restarts the worker, which starts a new rank 1, and
+    the restarted group takes its request back: the output is transformers'."""
     checkpoint = family_checkpoint("llama", tmp_path / "llama")
     prompt, max_tokens = [1, *range(60, 100)], 150
     up = start_up(free_port(), tmp_path / "redis", checkpoint, "--tensor-parallel-size", "2")
@@ -127,19 +129,24 @@ def test_sigkill_of_rank_1_mid_stream_restarts_the_group_and_the_stream_complete
         while len(queue_worker.read_streamed(r, "tp-kill").sequences.get(0, NONE).token_ids) < 10:
             assert time.monotonic() < deadline, "the group never streamed"
             time.sleep(0.05)
-        [victim] = rank_pids()
-        os.kill(victim, signal.SIGKILL)
+        [rank_1] = rank_pids()
+        rank_0 = int(Path(f"/proc/{rank_1}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        os.kill(rank_1 if rank else rank_0, signal.SIGKILL)
+        gone = time.monotonic() + 10
+        while rank_1 in rank_pids() or Path(f"/proc/{rank_0}/cmdline").exists():
+            assert time.monotonic() < gone, "the other rank outlived the killed one"
+            time.sleep(0.05)
         output = wait_final(r, "tp-kill", timeout_s=180)
         streamed = output.sequences[0].token_ids
         tokens, _ = expected(checkpoint, prompt, max_tokens)
         assert streamed == tokens
-        assert rank_pids() and rank_pids() != [victim]  # a new rank 1 serves
+        assert rank_pids() and rank_1 not in rank_pids()  # a new rank 1 serves
     finally:
         up.send_signal(signal.SIGINT)
         up.wait(120)
     log = up.stdout.read()  # type: ignore[union-attr]
     exits = [line for line in log.splitlines() if "exited with" in line]
-    assert exits and "restarting" in exits[0], log[-3000:]  # rank 0 went down with rank 1
+    assert exits and "restarting" in exits[0], log[-3000:]  # the worker went down and came back
     print("\n".join(exits))
 
 
