@@ -14,7 +14,9 @@ are issue 36's next part."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -85,16 +87,24 @@ def test_block_tables_travel_as_their_changes_and_come_back_whole() -> None:
 
 
 # ---------------------------------------------------------------------- rank processes
-def run_rank(rank: int, size: int, port: int, models: list[str], out: str) -> None:
-    """One rank: joins the gloo group, then loads and runs every model of ``models``; rank 0
-    writes the tokens and logits, every rank its parameter count."""
+@contextlib.contextmanager
+def gloo_rank(rank: int, size: int, port: int) -> Iterator[TPGroup]:
+    """This process as rank ``rank`` of a gloo group of ``size`` at ``port``, one CPU thread."""
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size
     )
     try:
+        yield TPGroup(rank, size)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_rank(rank: int, size: int, port: int, models: list[str], out: str) -> None:
+    """One rank: joins the gloo group, then loads and runs every model of ``models``; rank 0
+    writes the tokens and logits, every rank its parameter count."""
+    with gloo_rank(rank, size, port) as group:
         results = {}
-        group = TPGroup(rank, size)
         for model_dir in models:
             model: Any = load_sharded(Path(model_dir), group, torch.float32, "cpu", "eager")
             ids = torch.tensor([PROMPT])
@@ -112,8 +122,6 @@ def run_rank(rank: int, size: int, port: int, models: list[str], out: str) -> No
                 "params": sum(p.numel() for p in model.parameters()),
             }
         Path(out, f"rank{rank}.json").write_text(json.dumps(results))
-    finally:
-        dist.destroy_process_group()
 
 
 def tensor_parallel(models: list[Path], size: int, out: Path) -> list[dict[str, dict]]:
@@ -175,12 +183,7 @@ BLOCKS, BLOCK_SIZE = 64, 16
 def run_paged_rank(rank: int, size: int, port: int, model_dir: str, out: str) -> None:
     """Rank 0 serves ``PROMPTS`` through ``GreedyDriver``, copies a block and runs a fed
     forward; rank 1 follows. Each writes what its pool shows of the copy."""
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size
-    )
-    try:
-        group = TPGroup(rank, size)
+    with gloo_rank(rank, size, port) as group:
         model = load_sharded(Path(model_dir), group, torch.float32, "cpu", ATTN_NAME)
         if rank:
             runner = ModelRunner(
@@ -206,8 +209,6 @@ def run_paged_rank(rank: int, size: int, port: int, model_dir: str, out: str) ->
             Path(out, "paged.json").write_text(json.dumps(result))
         copied = torch.equal(runner.pool[BLOCKS - 1], runner.pool[0])
         Path(out, f"copied{rank}.json").write_text(json.dumps(copied))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_two_ranks_serve_paged_requests_as_one_model_does(tmp_path: Path) -> None:
@@ -227,12 +228,7 @@ def run_profile_rank(rank: int, size: int, port: int, model_dir: str, out: str) 
     from compute.loop.rank import serve_rank
     from compute.model.profile import measure_prefill, measure_profiles, unlimited
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size
-    )
-    try:
-        group = TPGroup(rank, size)
+    with gloo_rank(rank, size, port) as group:
         model = load_sharded(Path(model_dir), group, torch.float32, "cpu", ATTN_NAME)
         if rank:
             serve_rank(model, group)  # returns at rank 0's stop
@@ -245,8 +241,6 @@ def run_profile_rank(rank: int, size: int, port: int, model_dir: str, out: str) 
             send_plan(StepPlan("stop"), group)
         points = [len(profiles.prefill), len(profiles.recompute.points), len(again)]
         Path(out, "profile.json").write_text(json.dumps(points))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_rank_0_measures_the_cost_model_profile_and_the_others_follow(tmp_path: Path) -> None:
