@@ -310,12 +310,16 @@ def lead_scratch(model: PreTrainedModel, spec: ScratchPool, group: TPGroup | Non
 def scratch_runner(model: PreTrainedModel, spec: ScratchPool, group: TPGroup | None) -> ModelRunner:
     """A runner over a scratch pool of ``spec`` (this rank's KV heads in a group)."""
     s = spec.settings
-    pool = _scratch_pool(model, s.block_size, spec.tokens, spec.zeroed, group)
-    buckets = s.token_buckets
     return ModelRunner(
-        model, pool, s.block_size, s.cuda_graph_max_batch, s.cuda_graph_max_tokens, s.max_chunks,
-        buckets, group=group,
-    )  # fmt: skip
+        model,
+        _scratch_pool(model, s.block_size, spec.tokens, spec.zeroed, group),
+        s.block_size,
+        cuda_graph_max_batch=s.cuda_graph_max_batch,
+        cuda_graph_max_tokens=s.cuda_graph_max_tokens,
+        max_chunks=s.max_chunks,
+        cuda_graph_token_buckets=s.token_buckets,
+        group=group,
+    )
 
 
 def _scratch_pool(
