@@ -291,9 +291,9 @@ class ModelRunner:
         batch order (K = B without ``every_row`` chunks). ``feed``: chunks whose
         token is taken from the device (their host token id is a placeholder). Enqueues the
         work; waits for the device only where an eager model does."""
-        if (group := self._leader_group()) is not None:
-            self._send_forward(batch, feed, group)
         packed = self.pack(batch)  # once: every path below takes its lists
+        if (group := self._leader_group()) is not None:  # a step pack refuses stays on rank 0
+            self._send_forward(batch, feed, group)
         width = packed.width
         graphs, mixed = self.graphs, self.mixed
         decodes = len(packed.ids) == len(batch)  # one token per chunk

@@ -95,18 +95,25 @@ def test_two_ranks_serve_greedy_completions_as_transformers_does(
     assert "rank 1 of 2" in log and "rank 0 of 2" in log  # both ranks loaded their shards
 
 
-def rank_pids() -> list[int]:
-    """The pids of running ``compute.loop.rank`` processes (ranks 1 and up of a group)."""
+def pids_of(argument: bytes, parent: int | None = None) -> list[int]:
+    """The pids of running processes with ``argument`` on their command line (children of
+    ``parent`` only, if given)."""
     pids = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
                 cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-            except OSError:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
                 continue
-            if b"compute.loop.rank" in cmdline:
+            if argument in cmdline and parent in (None, ppid):
                 pids.append(int(entry.name))
     return pids
+
+
+def rank_pids() -> list[int]:
+    """The pids of running ``compute.loop.rank`` processes (ranks 1 and up of a group)."""
+    return pids_of(b"compute.loop.rank")
 
 
 @pytest.mark.parametrize("rank", [1, 0])
@@ -148,6 +155,40 @@ def test_sigkill_of_a_rank_mid_stream_restarts_the_group_and_the_stream_complete
     exits = [line for line in log.splitlines() if "exited with" in line]
     assert exits and "restarting" in exits[0], log[-3000:]  # the worker went down and came back
     print("\n".join(exits))
+
+
+def test_the_kvstore_killed_mid_stream_the_group_maps_its_new_pools_and_completes(
+    tmp_path: Path,
+) -> None:
+    """``pagedserve up --tensor-parallel-size 2``: the kvstore gets SIGKILL while a request
+    streams. ``up`` restarts it with new rank pools; rank 0 registers again and sends rank 1 the
+    new pools (a ``map`` plan), so the group lives on (the same rank 1 process) and recomputes
+    the request: the output is transformers'."""
+    checkpoint = family_checkpoint("llama", tmp_path / "llama")
+    prompt, max_tokens = [1, *range(60, 100)], 150
+    up = start_up(free_port(), tmp_path / "redis", checkpoint, "--tensor-parallel-size", "2")
+    try:
+        banner = banner_of(up, 180)
+        redis_url = banner.split("redis ")[1].split(",")[0]
+        r = redis.Redis.from_url(redis_url)
+        submit(redis_url, "tp-kv", max_tokens=max_tokens, prompt=prompt)
+        deadline = time.monotonic() + 90
+        while len(queue_worker.read_streamed(r, "tp-kv").sequences.get(0, NONE).token_ids) < 10:
+            assert time.monotonic() < deadline, "the group never streamed"
+            time.sleep(0.05)
+        [rank_1] = rank_pids()
+        [kvstore] = pids_of(b"kvstore", parent=up.pid)
+        os.kill(kvstore, signal.SIGKILL)
+        output = wait_final(r, "tp-kv", timeout_s=180)
+        tokens, _ = expected(checkpoint, prompt, max_tokens)
+        assert output.sequences[0].token_ids == tokens
+        assert rank_pids() == [rank_1]  # the same group, over the new pools
+    finally:
+        up.send_signal(signal.SIGINT)
+        up.wait(120)
+    log = up.stdout.read()  # type: ignore[union-attr]
+    again = log.find("the kvstore's pool is new: mapping it again")  # after the banner's lines
+    assert again >= 0 and "rank 1 mapped its pool" in log[again:], log[-3000:]
 
 
 def test_two_pools_of_two_ranks_each_serve_as_transformers_does(
