@@ -133,14 +133,16 @@ def serve_runs(args: argparse.Namespace, run: str, model_dir: Path) -> dict[str,
             if name == "kill" and (size == 1 or not args.kill_rank_after):
                 continue
             requests = 4 * int(name[1:]) if name.startswith("c") else args.requests
-            killer = threading.Timer(args.kill_rank_after, kill_rank, (1,))
+            killer = None
             if name == "kill":
                 requests //= 2
+                killer = threading.Timer(args.kill_rank_after, kill_rank, (1,))
                 killer.start()
             before = timelines(url)
             path = out.with_suffix(f".{name}.json")
             timed = bench(url, model_dir.name, model_dir, requests, path, True, workload=flags)
-            killer.cancel()
+            if killer is not None:
+                killer.cancel()
             time.sleep(TIMELINE_WAIT_S)
             timed["steps"] = timeline_delta(before, timelines(url))
             print(f"{run} {name}: {row(name, timed)} GPU {timed['gpu']}", flush=True)
