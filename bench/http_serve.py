@@ -176,10 +176,12 @@ def pagedserve_up(
     scheduling: SchedulerConfig = WORKER_DEFAULTS,
     up_args: tuple[str, ...] = (),
     env_extra: dict[str, str] | None = None,
+    compute_args: str = "",
 ) -> Iterator[str]:
     """``pagedserve up`` of ``model`` on ``device`` (``kvstore_args``: extra kvstore flags;
     ``gateways``: gateway processes; ``scheduling``: the worker's; ``up_args``: more flags of
-    ``up``; ``env_extra``: its environment's additions, e.g. ``CUDA_VISIBLE_DEVICES``), with an
+    ``up``; ``env_extra``: its environment's additions, e.g. ``CUDA_VISIBLE_DEVICES``;
+    ``compute_args``: the worker's flags besides ``scheduling``), with an
     admin token (``$PAGEDSERVE_ADMIN_TOKEN``, set if unset); its URL once healthy; stopped
     (SIGINT) on leaving."""
     port = free_port()
@@ -193,7 +195,8 @@ def pagedserve_up(
     command += [str(port), "--model", model, "--redis-dir", str(redis_dir)]
     if kvstore_args:
         command += [f"--kvstore-args={kvstore_args}"]
-    command += ["--gateways", str(gateways), f"--compute-args={' '.join(to_flags(scheduling))}"]
+    worker = " ".join([*to_flags(scheduling), compute_args])
+    command += ["--gateways", str(gateways), f"--compute-args={worker}"]
     command += list(up_args)
     process = subprocess.Popen(command, cwd=ROOT, env=env)
     try:

@@ -69,7 +69,7 @@ def over_nccl(plan: StepPlan | None, group: TPGroup, device: torch.device) -> St
 
 def run(rank: int, port: int, batch: int) -> None:
     device = torch.device(f"cuda:{rank}")
-    group = join_group(rank, 2, f"tcp://127.0.0.1:{port}", str(device), 120.0)
+    group = join_group(rank, 2, f"tcp://127.0.0.1:{port}", str(device), 120.0, "auto")
     try:
         plan = plans_of(batch)[1]
         size = len(encode_plan(plan))

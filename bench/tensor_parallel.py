@@ -1,7 +1,7 @@
 """Tensor parallelism over HTTP with `pagedserve bench`: one GPU (``tp1``: ``pagedserve up`` on GPU
 0) against a worker group of two ranks on two GPUs (``tp2``: ``up --tensor-parallel-size 2``, one
-kvstore splitting each pool's KV heads over both GPUs), the same checkpoint and client, in one
-lease. Per server:
+kvstore splitting each pool's KV heads over both GPUs; ``tp2-nccl``: the same with every
+all-reduce by NCCL), the same checkpoint and client, in one lease. Per server:
 
 - start-up: from ``pagedserve up`` to the gateway's first healthy answer;
 - 32 untimed warm-up requests;
@@ -108,7 +108,7 @@ def kill_rank(rank: int) -> None:
 
 def serve_runs(args: argparse.Namespace, run: str, model_dir: Path) -> dict[str, Any]:
     """One server's start-up, warm-up, drift sample and timed runs."""
-    size = int(run.removeprefix("tp"))
+    size = int(run.removeprefix("tp").removesuffix("-nccl"))
     env = {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in range(size))}
     up_args = ("--tensor-parallel-size", str(size)) if size > 1 else ()
     out = args.out / f"{args.shape}-{run}"
@@ -120,6 +120,7 @@ def serve_runs(args: argparse.Namespace, run: str, model_dir: Path) -> dict[str,
         gateways=args.gateways,
         up_args=up_args,
         env_extra=env,
+        compute_args="--tp-all-reduce nccl" if run.endswith("-nccl") else "",
     ) as url:
         result: dict[str, Any] = {"startup_s": time.monotonic() - started, "runs": {}}
         print(f"{run}: healthy {result['startup_s']:.1f} s after `pagedserve up`", flush=True)
@@ -154,7 +155,12 @@ def serve_runs(args: argparse.Namespace, run: str, model_dir: Path) -> dict[str,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=["1b", "8b", "70b"], default="8b")
-    parser.add_argument("--only", default="tp1,tp2", help="servers in order: tp1, tp2")
+    parser.add_argument(
+        "--only",
+        default="tp1,tp2",
+        help="servers in order: tp1, tp2 (small all-reduces one-shot over NVLink), tp2-nccl "
+        "(all of them by NCCL)",
+    )
     parser.add_argument("--requests", type=int, default=1000, help="the burst's")
     parser.add_argument(
         "--runs",
@@ -192,13 +198,15 @@ def main() -> None:
     for run, result in results.items():
         rows += [row(f"{run} | {name}", timed) for name, timed in result["runs"].items()]
         print(f"{run}: start-up {result['startup_s']:.1f} s")
-    if "tp1" in results and "tp2" in results:
-        one, two = results["tp1"], results["tp2"]
-        for name in one["runs"]:
+    for server, two in results.items():
+        if "tp1" not in results or server == "tp1":
+            continue
+        one = results["tp1"]
+        for name in set(one["runs"]) & set(two["runs"]):
             a, b = one["runs"][name], two["runs"][name]
-            print(f"{name}: TP=2 ITL p50 {b['itl_ms']['p50'] / a['itl_ms']['p50']:.2f}x TP=1's, "
-                  f"output tok/s {b['output_tok_s'] / a['output_tok_s']:.2f}x")  # fmt: skip
-        print(f"bf16 drift, TP=2 against TP=1: {drift(one['sample'], two['sample'])}")
+            print(f"{name}: {server} ITL p50 {b['itl_ms']['p50'] / a['itl_ms']['p50']:.2f}x "
+                  f"tp1's, output tok/s {b['output_tok_s'] / a['output_tok_s']:.2f}x")  # fmt: skip
+        print(f"bf16 drift, {server} against tp1: {drift(one['sample'], two['sample'])}")
     print("\n".join(rows))
 
 

@@ -16,6 +16,7 @@ import redis
 
 from compute.batch.scheduler import SchedulerConfig
 from compute.loop.backoff import retry_with_backoff
+from compute.parallel import ALL_REDUCES
 from contracts import options
 from contracts.heap import tune_gc_for_serving
 from contracts.options import flag
@@ -103,6 +104,14 @@ class ComputeConfig:
         "--tensor-parallel-size. Every rank captures the same CUDA graphs and runs the "
         "forwards rank 0 times for the cost-model profile",
     )
+    tp_all_reduce: str = flag(
+        "auto",
+        "the all-reduces of a tensor-parallel group on CUDA: 'auto' sums activations of up to "
+        "8 MiB (decode steps, short chunks) in one kernel over NVLink (PyTorch's symmetric "
+        "memory, when every GPU of the group has it) and larger ones with NCCL; 'nccl': NCCL "
+        "does all of them",
+        choices=ALL_REDUCES,
+    )
     log_level: str = options.log_level()
 
     def __post_init__(self) -> None:
@@ -174,7 +183,12 @@ def run(config: ComputeConfig, scheduling: SchedulerConfig) -> None:
         from compute.model.models import load_sharded_model
 
         group = start_group(
-            config.model, config.dtype, device, config.tensor_parallel_size, config.log_level
+            config.model,
+            config.dtype,
+            device,
+            config.tensor_parallel_size,
+            config.tp_all_reduce,
+            config.log_level,
         )
         model, tokenizer = load_sharded_model(config.model, config.dtype, device, group.group)
     else:

@@ -27,6 +27,7 @@ from transformers import PreTrainedModel
 from compute.model.models import load_sharded_model
 from compute.model.profile import scratch_runner
 from compute.model.runner import ModelRunner
+from compute.parallel import ALL_REDUCES
 from compute.parallel.group import free_port, join_group, leave_group
 from compute.parallel.layers import TPGroup
 from compute.parallel.step_plan import RunnerSettings, StepPlan, receive_plan, send_plan
@@ -115,10 +116,12 @@ class Group:
         leave_group()
 
 
-def start_group(model: str, dtype: str, device: str, size: int, log_level: str) -> Group:
+def start_group(
+    model: str, dtype: str, device: str, size: int, all_reduce: str, log_level: str
+) -> Group:
     """Rank 0 (this worker): starts ranks 1 to ``size - 1`` (``python -m compute.loop.rank``,
     rank r on the r-th GPU after ``device``'s; on CPU all on the CPU) and joins the group with
-    them on a free local port."""
+    them on a free local port (``all_reduce``: ``join_group``'s)."""
     port = free_port()
     init = f"tcp://127.0.0.1:{port}"
     root = str(Path(__file__).resolve().parents[2])
@@ -127,12 +130,14 @@ def start_group(model: str, dtype: str, device: str, size: int, log_level: str) 
     for rank in range(1, size):
         command = [sys.executable, "-m", "compute.loop.rank", "--rank", str(rank)]
         command += ["--size", str(size), "--init", init, "--model", model, "--dtype", dtype]
-        command += ["--device", rank_device(device, rank), "--log-level", log_level]
+        command += ["--device", rank_device(device, rank), "--all-reduce", all_reduce]
+        command += ["--log-level", log_level]
         ranks.append(subprocess.Popen(command, env=env))
     log.info("started ranks 1 to %d of the tensor-parallel group", size - 1)
     stopping = threading.Event()
     watch(ranks, stopping)  # a rank that fails to start fails rank 0's start-up at once
-    return Group(join_group(0, size, init, device, JOIN_TIMEOUT_S), ranks, stopping)
+    joined = join_group(0, size, init, device, JOIN_TIMEOUT_S, all_reduce)
+    return Group(joined, ranks, stopping)
 
 
 def watch(ranks: list[subprocess.Popen[bytes]], stopping: threading.Event) -> None:
@@ -181,11 +186,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", required=True, help="as the worker's --dtype")
     parser.add_argument("--device", required=True)
     parser.add_argument("--timeout-s", type=float, default=JOIN_TIMEOUT_S)
+    parser.add_argument("--all-reduce", choices=ALL_REDUCES, default="auto")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     options.configure_logging(args.log_level)
     die_with_parent()
-    group = join_group(args.rank, args.size, args.init, args.device, args.timeout_s)
+    group = join_group(
+        args.rank, args.size, args.init, args.device, args.timeout_s, args.all_reduce
+    )
     try:
         model, _ = load_sharded_model(args.model, args.dtype, args.device, group)
         tune_gc_for_serving()  # as rank 0: a young collection per plan would cost milliseconds

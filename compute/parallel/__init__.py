@@ -1,2 +1,5 @@
-"""Tensor parallelism: a model's weights split over the ranks of a group (issue 36; the layers
-and the sharded loading so far, not yet the worker group)."""
+"""Tensor parallelism: a model's weights split over the ranks of a group (``layers``,
+``sharding``), the group's processes and collectives (``group``, ``symmetric``) and the step plans
+rank 0 sends the others (``step_plan``)."""
+
+ALL_REDUCES = ["auto", "nccl"]  # a group's all-reduces on CUDA (--tp-all-reduce)

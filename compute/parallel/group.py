@@ -11,17 +11,21 @@ import torch
 import torch.distributed as dist
 
 from compute.parallel.layers import TPGroup
+from compute.parallel.symmetric import symmetric_all_reduce
 
 __all__ = ["free_port", "join_group", "leave_group"]
 
 log = logging.getLogger("pagedserve.compute")
 
 
-def join_group(rank: int, size: int, init_method: str, device: str, timeout_s: float) -> TPGroup:
+def join_group(
+    rank: int, size: int, init_method: str, device: str, timeout_s: float, all_reduce: str
+) -> TPGroup:
     """Rank ``rank`` of ``size`` joins at ``init_method`` (``tcp://host:port``, rank 0's), within
     ``timeout_s`` (also the longest any collective may wait: a rank that dies shows as its
-    peers' error at the latest then). On CUDA the rank's device becomes the current one, and a
-    gloo group beside the NCCL one carries the host's messages (``TPGroup.host``)."""
+    peers' error at the latest then). On CUDA the rank's device becomes the current one, a
+    gloo group beside the NCCL one carries the host's messages (``TPGroup.host``), and with
+    ``all_reduce`` 'auto' small all-reduces go one-shot over NVLink (``TPGroup.one_shot``)."""
     backend = "nccl" if device.startswith("cuda") else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
     if backend == "nccl":
@@ -31,7 +35,10 @@ def join_group(rank: int, size: int, init_method: str, device: str, timeout_s: f
     )
     host = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else None
     log.info("rank %d of %d joined the group at %s (%s)", rank, size, init_method, backend)
-    return TPGroup(rank, size, host=host)
+    one_shot = None
+    if backend == "nccl" and all_reduce == "auto":
+        one_shot = symmetric_all_reduce(dist.group.WORLD, device)
+    return TPGroup(rank, size, host=host, one_shot=one_shot)
 
 
 def leave_group() -> None:

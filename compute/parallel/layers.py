@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional
 
+from compute.parallel.symmetric import SymmetricAllReduce
 from contracts.model_config import heads_per_rank
 
 __all__ = [
@@ -44,19 +45,23 @@ class TPGroup:
     """This process's place in a tensor-parallel group: ``rank`` of ``size``, exchanging
     activations over ``group`` (a ``torch.distributed`` process group of the devices' backend;
     None: the default one) and host data over ``host`` (a gloo group of CPU tensors; None: the
-    default one, which must then be gloo)."""
+    default one, which must then be gloo). ``one_shot``: the group's NVLink all-reduce for small
+    tensors (``compute.parallel.symmetric``), None: NCCL (or gloo) does them all."""
 
     rank: int
     size: int
     group: Any = None
     host: Any = None
+    one_shot: SymmetricAllReduce | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
             raise ValueError(f"rank {self.rank} is not in a group of {self.size}")
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sums ``x`` over the ranks, in place."""
+        """The sum of ``x`` over the ranks: ``x`` summed in place, or a new tensor."""
+        if self.one_shot is not None and self.one_shot.fits(x):
+            return self.one_shot(x)
         if self.size > 1:
             dist.all_reduce(x, group=self.group)
         return x

@@ -56,9 +56,9 @@ def run_rank(rank: int, size: int, port: int, dirs: list[str], dtype: str, out: 
     or follows (the others); writes what it saw."""
     faulthandler.dump_traceback_later(300, exit=True)  # a hung collective: its stacks, then out
     device = f"cuda:{rank}"
-    group = join_group(rank, size, f"tcp://127.0.0.1:{port}", device, 120.0)
+    group = join_group(rank, size, f"tcp://127.0.0.1:{port}", device, 120.0, "auto")
     try:
-        results: dict[str, Any] = {}
+        results: dict[str, Any] = {"one_shot": group.one_shot is not None}
         for directory in dirs:
             torch_dtype = getattr(torch, dtype)
             model: Any = load_sharded(Path(directory), group, torch_dtype, device, ATTN_NAME)
@@ -110,6 +110,7 @@ def two_ranks(dirs: list[Path], dtype: str, out: Path) -> list[dict[str, Any]]:
 def test_two_gpus_of_every_family_are_as_accurate_as_sdpa(tmp_path: Path) -> None:
     dirs = [checkpoint(f, tmp_path / f) for f in SHARDED_FAMILIES]
     ranks = two_ranks(dirs, "bfloat16", tmp_path)
+    assert ranks[0]["one_shot"] and ranks[1]["one_shot"]  # small all-reduces over NVLink
     for directory in dirs:
         got = ranks[0][str(directory)]
         # both ranks replayed the same graphs, decode-only and mixed
@@ -127,3 +128,43 @@ def test_two_gpus_of_every_family_are_as_accurate_as_sdpa(tmp_path: Path) -> Non
             seq.sampled_logits = list(torch.tensor(logits))
             seqs.append(seq)
         check_as_accurate_as_sdpa(seqs, whole)
+
+
+def sum_both_ways(rank: int, port: int, out: str) -> None:
+    """Sums of rank-dependent tensors (fp32 and bf16, 1 to 2,048 rows of 4,096) by the one-shot
+    all-reduce, eager and replayed from a CUDA graph, set against NCCL's."""
+    device = f"cuda:{rank}"
+    group = join_group(rank, 2, f"tcp://127.0.0.1:{port}", device, 120.0, "auto")
+    one_shot = group.one_shot
+    assert one_shot is not None
+    checked = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for rows in (1, 3, 256, 2048):
+            gen = torch.Generator(device).manual_seed(rows + rank)
+            x = torch.randn(rows, 4096, device=device, dtype=dtype, generator=gen)
+            assert one_shot.fits(x) == (rows * 4096 * x.element_size() <= 8 << 20)
+            if not one_shot.fits(x):
+                continue
+            expected = x.clone()
+            torch.distributed.all_reduce(expected)
+            eager = one_shot(x)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                captured = one_shot(x)
+            x.mul_(2)  # the replay reads the new values
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(eager, expected), (dtype, rows)
+            assert torch.equal(captured, expected * 2), (dtype, rows)
+            checked.append(f"{dtype} {rows}")
+    Path(out, f"sums{rank}.json").write_text(json.dumps(checked))
+    leave_group()
+
+
+@pytest.mark.gpu
+def test_the_one_shot_all_reduce_sums_as_nccl_does(tmp_path: Path) -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs")
+    mp.spawn(sum_both_ways, (free_port(), str(tmp_path)), nprocs=2)
+    checked = json.loads((tmp_path / "sums0.json").read_text())
+    assert len(checked) == 6, checked  # 2,048 rows are over 8 MiB: NCCL's
