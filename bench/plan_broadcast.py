@@ -1,5 +1,5 @@
 """What a step's plan costs to reach the other ranks of a tensor-parallel group: the host channel
-the worker uses (``compute.parallel.step_plan``: gloo, CPU tensors) against an NCCL broadcast of
+the worker uses (``compute.parallel.plan_ring``) against an NCCL broadcast of
 the packed bytes on the GPUs (the length, then the bytes, then a copy to the host). Two ranks on
 two GPUs; rank 0 sends 300 plans of a decode step of ``--batch`` requests with 1k-token contexts
 (64 blocks each), each block table as its change since the plan before (``TableMirror``: none),
@@ -73,10 +73,10 @@ def run(rank: int, port: int, batch: int) -> None:
     try:
         plan = plans_of(batch)[1]
         size = len(encode_plan(plan))
-        for name in ("host (gloo)", "nccl"):
+        for name in ("plan ring", "nccl"):
             times = []
             for _ in range(PLANS):
-                dist.barrier(group=group.host)
+                dist.barrier()
                 started = time.perf_counter()
                 if name == "nccl":
                     got = over_nccl(plan if rank == 0 else None, group, device)

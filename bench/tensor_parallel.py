@@ -57,9 +57,9 @@ SHAREGPT = ("--input-len", "lognormal:4.9:1.0:4:4096", "--output-len", "lognorma
 Sample = list[tuple[str, float]]  # a greedy completion: (token, logprob) each
 
 
-def greedy_sample(url: str, model: str, n: int, vocab: int) -> list[Sample]:
+def greedy_sample(url: str, model: str, n: int, vocab: int, threads: int = 32) -> list[Sample]:
     """``n`` greedy completions of 128 tokens (seeded random prompts of 256 words of the
-    word-level tokenizer), with each token's logprob."""
+    word-level tokenizer), with each token's logprob; ``threads`` requests at a time."""
     rng = random.Random(7)
     prompts = [" ".join(f"w{rng.randrange(vocab - 1000)}" for _ in range(256)) for _ in range(n)]
 
@@ -73,7 +73,7 @@ def greedy_sample(url: str, model: str, n: int, vocab: int) -> list[Sample]:
             logprobs = json.loads(response.read())["choices"][0]["logprobs"]
         return list(zip(logprobs["tokens"], logprobs["token_logprobs"], strict=True))
 
-    with ThreadPoolExecutor(32) as pool:
+    with ThreadPoolExecutor(threads) as pool:
         return list(pool.map(one, prompts))
 
 
@@ -127,6 +127,10 @@ def serve_runs(args: argparse.Namespace, run: str, model_dir: Path) -> dict[str,
         warm_up(url, model_dir.name, model_dir, out, ignore_eos=True)
         vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
         result["sample"] = greedy_sample(url, model_dir.name, args.drift_requests, vocab)
+        if size == 1 and args.drift_requests:  # bf16's own drift: other batches, other sums
+            again = greedy_sample(url, model_dir.name, args.drift_requests, vocab, threads=4)
+            print(f"bf16 drift, tp1 at 4 requests at a time against 32: "
+                  f"{drift(result['sample'], again)}", flush=True)  # fmt: skip
         for name in args.runs:
             flags: tuple[str, ...] = {"sharegpt": SHAREGPT}.get(name, ())
             if name.startswith("c"):

@@ -107,7 +107,7 @@ class ComputeConfig:
     tp_all_reduce: str = flag(
         "auto",
         "the all-reduces of a tensor-parallel group on CUDA: 'auto' sums activations of up to "
-        "8 MiB (decode steps, short chunks) in one kernel over NVLink (PyTorch's symmetric "
+        "4 MiB (decode steps, short chunks) in one kernel over NVLink (PyTorch's symmetric "
         "memory, when every GPU of the group has it) and larger ones with NCCL; 'nccl': NCCL "
         "does all of them",
         choices=ALL_REDUCES,

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional
 
+from compute.parallel.plan_ring import PlanRing
 from compute.parallel.symmetric import SymmetricAllReduce
 from contracts.model_config import heads_per_rank
 
@@ -44,14 +45,15 @@ __all__ = [
 class TPGroup:
     """This process's place in a tensor-parallel group: ``rank`` of ``size``, exchanging
     activations over ``group`` (a ``torch.distributed`` process group of the devices' backend;
-    None: the default one) and host data over ``host`` (a gloo group of CPU tensors; None: the
-    default one, which must then be gloo). ``one_shot``: the group's NVLink all-reduce for small
-    tensors (``compute.parallel.symmetric``), None: NCCL (or gloo) does them all."""
+    None: the default one); rank 0 sends the others its messages through ``plans``
+    (``compute.parallel.plan_ring``; None: a group that sends none, as in layer tests).
+    ``one_shot``: the group's NVLink all-reduce for small tensors
+    (``compute.parallel.symmetric``), None: NCCL (or gloo) does them all."""
 
     rank: int
     size: int
     group: Any = None
-    host: Any = None
+    plans: PlanRing | None = None
     one_shot: SymmetricAllReduce | None = None
 
     def __post_init__(self) -> None:

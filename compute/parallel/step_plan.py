@@ -5,12 +5,13 @@ protocol between the ranks of one worker group.
 One ``StepPlan`` per call (``map``: the kvstore's pool, every rank's, and the runner's
 settings, sent whenever rank 0 maps a pool; ``forward``: the step's chunks, and which chunks
 take their token from the device; ``copy``: copy-on-write block copies; ``stop``), encoded with
-msgspec (no pickle) and broadcast as bytes, its length then its bytes, over the group's host
-channel (``TPGroup.host``: gloo, CPU tensors), so that a rank receives its next plan while its
-GPU still runs the step before: a broadcast over NCCL would reach the host only once the rank's
-stream had drained. A forward's fed tokens (drawn on the device by the step before: the overlap
-of host and device work) follow as one device tensor broadcast from rank 0 over the device
-group, so no rank waits for the host to see them.
+msgspec (no pickle) and written into the group's plan ring in shared memory (``TPGroup.plans``,
+``compute.parallel.plan_ring``): rank 0 writes and goes on, and a rank reads its next plan while
+its GPU still runs the step before (a broadcast over NCCL would reach the host only once the
+rank's stream had drained; one over gloo held rank 0 until every rank was ready). A forward's
+fed tokens (drawn on the device by the step before: the overlap of host and device work) follow
+as one device tensor broadcast from rank 0 over the device group, so no rank waits for the host
+to see them.
 """
 
 from __future__ import annotations
@@ -145,19 +146,15 @@ def decode_plan(payload: bytes) -> StepPlan:
 
 
 def send_plan(plan: StepPlan, group: TPGroup) -> None:
-    """Rank 0: broadcasts ``plan`` (its length, then its bytes) over the host channel."""
-    payload = encode_plan(plan)
-    dist.broadcast(torch.tensor([len(payload)], dtype=torch.int64), 0, group=group.host)
-    dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), 0, group=group.host)
+    """Rank 0: writes ``plan`` into the group's plan ring (returns once it is written)."""
+    assert group.plans is not None, "a group without a plan ring"
+    group.plans.send(encode_plan(plan))
 
 
 def receive_plan(group: TPGroup) -> StepPlan:
     """Another rank: the plan rank 0 sent next (waits for it on the host only)."""
-    length = torch.empty(1, dtype=torch.int64)
-    dist.broadcast(length, 0, group=group.host)
-    data = torch.empty(int(length.item()), dtype=torch.uint8)
-    dist.broadcast(data, 0, group=group.host)
-    return decode_plan(data.numpy().tobytes())
+    assert group.plans is not None, "a group without a plan ring"
+    return decode_plan(group.plans.receive())
 
 
 def broadcast_fed(

@@ -27,7 +27,7 @@ from compute.model.models import fuse_on_cuda, tiny_family_config
 from compute.model.runner import ModelRunner
 from compute.parallel.group import free_port, join_group, leave_group
 from compute.parallel.sharding import SHARDED_FAMILIES, load_sharded
-from tests.compute.driver import GreedyDriver, Seq, garbage_pool, moved
+from tests.compute.driver import GreedyDriver, Seq, garbage_pool
 from tests.compute.test_gpu import check_as_accurate_as_sdpa
 
 BLOCKS, BLOCK_SIZE, GRAPH_BATCH, GRAPH_TOKENS, TOKEN_BUDGET = 512, 16, 16, 128, 160
@@ -116,10 +116,12 @@ def test_two_gpus_of_every_family_are_as_accurate_as_sdpa(tmp_path: Path) -> Non
         # both ranks replayed the same graphs, decode-only and mixed
         assert got["replays"] == ranks[1][str(directory)]["replays"], directory.name
         assert min(got["replays"]) > 0, (directory.name, got["replays"])
+        # loaded as the worker loads a checkpoint: bf16 weights, fp32 rotary frequencies
+        # (``.to(bfloat16)`` would round those too, and the positions of the long prompt with)
         whole: Any = AutoModelForCausalLM.from_pretrained(
-            directory, dtype=torch.float32, attn_implementation=ATTN_NAME
+            directory, dtype=torch.bfloat16, attn_implementation=ATTN_NAME
         )
-        whole = moved(whole, torch.device("cuda:0"), torch.bfloat16).eval()
+        whole = whole.to("cuda:0").eval()
         seqs = []
         for i, ((prompt, _), output, logits) in enumerate(
             zip(requests(), got["outputs"], got["logits"], strict=True)
@@ -142,7 +144,7 @@ def sum_both_ways(rank: int, port: int, out: str) -> None:
         for rows in (1, 3, 256, 2048):
             gen = torch.Generator(device).manual_seed(rows + rank)
             x = torch.randn(rows, 4096, device=device, dtype=dtype, generator=gen)
-            assert one_shot.fits(x) == (rows * 4096 * x.element_size() <= 8 << 20)
+            assert one_shot.fits(x) == (rows * 4096 * x.element_size() <= 4 << 20)
             if not one_shot.fits(x):
                 continue
             expected = x.clone()
@@ -167,4 +169,4 @@ def test_the_one_shot_all_reduce_sums_as_nccl_does(tmp_path: Path) -> None:
         pytest.skip("needs two CUDA GPUs")
     mp.spawn(sum_both_ways, (free_port(), str(tmp_path)), nprocs=2)
     checked = json.loads((tmp_path / "sums0.json").read_text())
-    assert len(checked) == 6, checked  # 2,048 rows are over 8 MiB: NCCL's
+    assert len(checked) == 6, checked  # 2,048 rows are over 4 MiB: NCCL's

@@ -23,14 +23,13 @@ from typing import Any
 import msgspec
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM
 
 from compute.model.attention import ATTN_NAME
 from compute.model.models import tiny_family_config
 from compute.model.runner import Feed, ModelRunner, ScheduledChunk
-from compute.parallel.group import free_port
+from compute.parallel.group import free_port, join_group, leave_group
 from compute.parallel.layers import TensorSlice, TPGroup, head_rows, vocab_rows
 from compute.parallel.sharding import SHARDED_FAMILIES, load_sharded
 from compute.parallel.step_plan import StepPlan, TableMirror, decode_plan, encode_plan, send_plan
@@ -91,13 +90,11 @@ def test_block_tables_travel_as_their_changes_and_come_back_whole() -> None:
 def gloo_rank(rank: int, size: int, port: int) -> Iterator[TPGroup]:
     """This process as rank ``rank`` of a gloo group of ``size`` at ``port``, one CPU thread."""
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size
-    )
+    group = join_group(rank, size, f"tcp://127.0.0.1:{port}", "cpu", 120.0, "auto")
     try:
-        yield TPGroup(rank, size)
+        yield group
     finally:
-        dist.destroy_process_group()
+        leave_group()
 
 
 def run_rank(rank: int, size: int, port: int, models: list[str], out: str) -> None:
