@@ -9,10 +9,10 @@ from typing import Literal
 
 import msgspec
 
-RECORD_VERSION = 5  # 2: RequestRecord without arrival_time and priority, OutputRecord without
+RECORD_VERSION = 6  # 2: RequestRecord without arrival_time and priority, OutputRecord without
 # logprobs, with offset; RequestRecord.gateway. 3: SamplingParams' penalties, logit_bias,
 # min_tokens and logprobs; OutputRecord.logprobs. 4: prompt logprobs (SamplingParams,
-# OutputRecord), SamplingParams.guide. 5: OutputRecord.error_code
+# OutputRecord), SamplingParams.guide. 5: OutputRecord.error_code. 6: RequestRecord.priority
 
 
 GuideKind = Literal["json_schema", "json_object", "regex", "choice"]
@@ -126,10 +126,12 @@ class RequestRecord(msgspec.Struct, array_like=True, forbid_unknown_fields=True,
     only requests with the same salt share blocks. ``gateway``: the id of the gateway waiting for
     the output, whose liveness key (``queue_keys.gateway_key``) it renews; once that key is gone,
     workers abort the request (nobody would read it). Empty: no gateway (a program using the
-    Redis contract directly). Requests are served in the order of the stream (no priority).
-    ``resume``: moved here from the stream of a pool that had no worker
-    (``queue_gateway.move``): the worker that reads it goes on from what its output stream holds,
-    as after taking over a dead worker's request; a request is moved once at most."""
+    Redis contract directly). ``resume``: moved here from the stream of a pool that had no
+    worker (``queue_gateway.move``): the worker that reads it goes on from what its output stream
+    holds, as after taking over a dead worker's request; a request is moved once at most.
+    ``priority``: a worker takes requests in the order of the stream, and among those it holds
+    (at most ``--max-num-seqs``) a lower value is admitted, stepped and kept first (vLLM's
+    semantics; ``compute.batch.scheduler`` states the bound on starvation)."""
 
     req_id: str
     prompt_token_ids: list[int]
@@ -138,6 +140,7 @@ class RequestRecord(msgspec.Struct, array_like=True, forbid_unknown_fields=True,
     salt: bytes | None = None
     gateway: str = ""
     resume: bool = False
+    priority: int = 0
 
 
 class TokenLogprob(msgspec.Struct, array_like=True, forbid_unknown_fields=True, gc=False):

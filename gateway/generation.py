@@ -158,6 +158,7 @@ class Generation:
                 self.model.name,
                 salt=self.request.salt,
                 gateway=self.gateway_id,
+                priority=self.request.priority,
             )
             for prompt in self.prompts
         ]

@@ -52,6 +52,7 @@ class Prepared:
     # completions with echo and max_tokens 0: the prompt only (its logprobs: scoring); the
     # workers draw one token (params.max_tokens is 1), which the response leaves out
     score_only: bool = False
+    priority: int = 0  # lower first (``contracts.records.RequestRecord``)
 
 
 def prepare_completion(
@@ -231,8 +232,7 @@ def _prepared(
     if beam and stops:
         raise bad_request("stop strings do not apply to beam search", "stop", "unsupported")
     stop_ids = _check_ids(list(req.stop_token_ids or []), model, "stop_token_ids")
-    if req.priority:  # accepted but ignored would be a lie: not until it is implemented
-        raise bad_request("priority is not supported", "priority", "unsupported_parameter")
+    priority = _in_range(req.priority, 0, "priority", -(2**31), 2**31 - 1)
     penalties = _penalties(req, model, max_tokens)
     changed = [name for name, value in penalties.items() if value != _NO_PENALTIES[name]]
     if beam and changed:
@@ -275,6 +275,7 @@ def _prepared(
         salt=salt,
         echo_texts=echo_texts,
         tokens_as_ids=bool(req.return_tokens_as_token_ids),
+        priority=priority,
     )
 
 

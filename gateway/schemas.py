@@ -54,7 +54,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
     guided_json: Any | None = None
     guided_regex: Any | None = None
     guided_choice: Any | None = None
-    priority: int | None = None  # only 0 (vLLM's default): scheduling by priority is not built
+    priority: int | None = None  # lower first (vLLM's); compute.batch.scheduler's bound
 
 
 class CompletionRequest(_Sampling, kw_only=True):

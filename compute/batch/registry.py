@@ -84,7 +84,9 @@ class Requests:
             self._matcher(record)  # compiled (and cached) now: a refusal changes nothing
         beams = record.params.beam_width > 1
         limit = None if beams else record.params.max_tokens
-        seq = self.scheduler.new_sequence(record.req_id, record.prompt_token_ids, max_tokens=limit)
+        seq = self.scheduler.new_sequence(
+            record.req_id, record.prompt_token_ids, max_tokens=limit, priority=record.priority
+        )
         active = Active(entry_id, record, {})
         if record.params.prompt_logprobs is not None:
             active.prompt_logprobs = [None] * len(record.prompt_token_ids)
@@ -121,7 +123,11 @@ class Requests:
             seq_id = record.req_id if index == 0 else f"{record.req_id}#{index}"
             generated = streamed_seq.token_ids
             seq = self.scheduler.new_sequence(
-                seq_id, record.prompt_token_ids, generated, record.params.max_tokens
+                seq_id,
+                record.prompt_token_ids,
+                generated,
+                record.params.max_tokens,
+                record.priority,
             )
             branch = self.add_branch(active, seq, index)
             self._adopting.add(seq_id)

@@ -24,6 +24,12 @@ Policy (as vLLM / SGLang with chunked prefill):
 - placement (admission or resume) oldest first, preempted sequences before new ones, while the
   number of running sequences stays under ``max_num_seqs``;
 - the preemption victim is the running sequence that arrived last.
+
+"Oldest" and "last" go by a sequence's ``rank``: its arrival (a counter of the sequences this
+scheduler was handed) plus ``priority * priority_aging``. Priority 0 (the default) is arrival
+order; a lower priority value goes first, as in vLLM. The bound on starvation: a request is
+overtaken by at most ``priority_aging * (its priority - theirs)`` requests that arrived after it
+(vLLM's priority scheduling states none).
 """
 
 from __future__ import annotations
@@ -50,7 +56,7 @@ class Sequence:
     stop checker is told which token is the last (``last_allowed``)."""
 
     seq_id: str
-    arrival: int  # lower runs first, is placed first, is preempted last
+    rank: int  # lower runs first, is placed first, is preempted last (arrival and priority)
     token_ids: list[int]  # prompt + generated
     num_prompt: int
     status: SeqStatus = SeqStatus.WAITING
@@ -124,8 +130,20 @@ class SchedulerConfig:
         "--cuda-graph-max-tokens, so the gathered prompts still replay CUDA graphs",
     )
 
+    priority_aging: int = flag(
+        1024,
+        "a request's 'priority' (lower first, vLLM's semantics) counts as this many places in "
+        "the line of arrivals per unit: a request is overtaken by at most this many times the "
+        "difference of priorities of those that arrived after it (the bound on starvation)",
+    )
+
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "prefill_interval"):
+        for name in (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "prefill_interval",
+            "priority_aging",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
 
@@ -138,7 +156,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, block_size: int) -> None:
         self.config = config
         self.block_size = block_size
-        self._arrivals = 0
+        self._arrivals = 0  # sequences handed so far
         self._steps_without_prompt = config.prefill_interval  # the first step may take prompts
         self.held_steps = 0  # steps whose pending prompts waited for the interval, a counter
 
@@ -149,13 +167,15 @@ class Scheduler:
         prompt: list[int],
         generated: Iterable[int] = (),
         max_tokens: int | None = None,
+        priority: int = 0,
     ) -> Sequence:
         """A sequence waiting to be admitted, the latest arrival (``generated``: tokens it
         already produced, when a worker takes over the request of a dead one; ``max_tokens``:
-        its output limit)."""
+        its output limit; ``priority``: lower goes first, see the module's docstring)."""
         if not prompt:
             raise ValueError("a sequence needs at least one prompt token")
-        seq = Sequence(seq_id, self._arrivals, [*prompt, *generated], len(prompt))
+        rank = self._arrivals + priority * self.config.priority_aging
+        seq = Sequence(seq_id, rank, [*prompt, *generated], len(prompt))
         if max_tokens is not None:
             seq.max_len = len(prompt) + max_tokens
         self._arrivals += 1
@@ -204,9 +224,10 @@ class Scheduler:
         to the blocks it lost, and must not count once it is placed again)."""
         seqs = list(seqs)
         room = self.config.max_num_seqs - len(running(seqs))
-        preempted = [s for s in by_arrival(seqs, SeqStatus.PREEMPTED) if not s.launched_chunks]
-        waiting = by_arrival(seqs, SeqStatus.WAITING)
-        return (preempted + waiting)[: max(room, 0)]
+        preempted = [s for s in in_rank(seqs, SeqStatus.PREEMPTED) if not s.launched_chunks]
+        waiting = in_rank(seqs, SeqStatus.WAITING)
+        candidates = sorted(preempted + waiting, key=_rank)  # stable: preempted first at a tie
+        return candidates[: max(room, 0)]
 
     def victim(self, seqs: Iterable[Sequence]) -> Sequence | None:
         """The running sequence of ``seqs`` to preempt when the kvstore has no block left: the
@@ -293,7 +314,7 @@ class Scheduler:
         ), f"{parent.seq_id}: fork right after sampling its first token"
         return Sequence(
             child_id,
-            parent.arrival,
+            parent.rank,
             [*parent.token_ids[: parent.num_reported], first_token],
             parent.num_prompt,
             SeqStatus.RUNNING,
@@ -315,15 +336,16 @@ class Scheduler:
         seq.status = SeqStatus.FINISHED
 
 
-def by_arrival(seqs: Iterable[Sequence], *statuses: SeqStatus) -> list[Sequence]:
-    """Those of ``seqs`` in one of ``statuses``, oldest first."""
-    return sorted((s for s in seqs if s.status in statuses), key=_arrival)
+def in_rank(seqs: Iterable[Sequence], *statuses: SeqStatus) -> list[Sequence]:
+    """Those of ``seqs`` in one of ``statuses``, lowest ``rank`` (oldest, or of a lower
+    priority value) first."""
+    return sorted((s for s in seqs if s.status in statuses), key=_rank)
 
 
 def running(seqs: Iterable[Sequence]) -> list[Sequence]:
-    """The running ones of ``seqs``, oldest first."""
-    return by_arrival(seqs, SeqStatus.RUNNING)
+    """The running ones of ``seqs``, lowest rank first."""
+    return in_rank(seqs, SeqStatus.RUNNING)
 
 
-def _arrival(seq: Sequence) -> int:
-    return seq.arrival
+def _rank(seq: Sequence) -> int:
+    return seq.rank

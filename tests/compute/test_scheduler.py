@@ -78,8 +78,9 @@ class Batch:
         return self.scheduler.held_steps
 
 
-def scheduler(seqs: int = 8, tokens: int = 16, interval: int = 1) -> Batch:
-    return Batch(Scheduler(SchedulerConfig(seqs, tokens, prefill_interval=interval), BS))
+def scheduler(seqs: int = 8, tokens: int = 16, interval: int = 1, aging: int = 1024) -> Batch:
+    config = SchedulerConfig(seqs, tokens, prefill_interval=interval, priority_aging=aging)
+    return Batch(Scheduler(config, BS))
 
 
 def compute(s: Batch, chunk: Chunk, new_token: int | None) -> None:
@@ -161,9 +162,9 @@ def test_with_a_prefill_interval_prompts_join_decodes_every_nth_step_only() -> N
 
 
 def test_the_config_refuses_values_below_one() -> None:
-    for fields in ({"max_num_seqs": 0}, {"max_num_batched_tokens": 0}, {"prefill_interval": 0}):
+    for name in ("max_num_seqs", "max_num_batched_tokens", "prefill_interval", "priority_aging"):
         with pytest.raises(ValueError, match="must be at least 1"):
-            SchedulerConfig(**fields)
+            SchedulerConfig(**{name: 0})
 
 
 def test_placement_order_room_and_victim() -> None:
@@ -179,6 +180,40 @@ def test_placement_order_room_and_victim() -> None:
     assert [q.seq_id for q in s.to_place()] == ["b"]  # preempted before the new c and d
     s.finish("a")
     assert [q.seq_id for q in s.to_place()] == ["b", "c"]
+
+
+def test_priority_orders_placement_steps_and_the_victim() -> None:
+    """A lower priority value is placed first, stepped first and preempted last; at equal
+    priority, arrival order (and a preempted sequence before a new one)."""
+    s = scheduler(seqs=2)
+    s.add("a", [1, 2, 3])
+    s.add("b", [1, 2, 3], priority=5)
+    s.add("c", [1, 2, 3], priority=-1)
+    s.add("d", [1, 2, 3])
+    assert [q.seq_id for q in s.to_place()] == ["c", "a"]
+    s.placed("a", [0], 0, 3)
+    s.placed("c", [1], 0, 3)
+    assert [(c.seq.seq_id, c.start, c.num_tokens) for c in s.schedule()] == [
+        ("c", 0, 3),
+        ("a", 0, 3),
+    ]
+    victim = s.victim()
+    assert victim is not None and victim.seq_id == "a"  # c outranks it, arrived later
+    s.preempted("a")
+    assert [q.seq_id for q in s.to_place()] == ["a"]  # before d, which arrived after it
+    s.finish("c")
+    assert [q.seq_id for q in s.to_place()] == ["a", "d"]  # b (priority 5) last
+
+
+def test_a_low_priority_request_is_overtaken_by_at_most_aging_later_arrivals() -> None:
+    """The stated bound on starvation: with ``priority_aging`` 3, a request of priority 1 is
+    overtaken by at most 3 of the priority-0 requests that keep arriving after it."""
+    s = scheduler(seqs=100, aging=3)
+    s.add("low", [1], priority=1)
+    for i in range(10):
+        s.add(f"h{i}", [1])
+    order = [q.seq_id for q in s.to_place()]
+    assert order == ["h0", "h1", "low", *[f"h{i}" for i in range(2, 10)]]  # h2 ties: later
 
 
 def test_a_preempted_sequence_is_placed_again_only_once_its_launched_chunks_are_processed() -> None:
@@ -220,20 +255,21 @@ def test_grown_applies_copies_and_new_blocks() -> None:
     blocks=st.integers(8, 40),
     budget=st.integers(1, 24),
     interval=st.integers(1, 4),
+    priorities=st.lists(st.integers(-2, 2), min_size=8, max_size=8),
 )
 def test_every_sequence_finishes_under_memory_pressure(
-    prompts: list[int], outputs: int, blocks: int, budget: int, interval: int
+    prompts: list[int], outputs: int, blocks: int, budget: int, interval: int, priorities: list[int]
 ) -> None:
     """The engine's step loop, minus the model: schedule, 'compute', append at the real manager,
     preempt the victim when it has no room, place what fits. Every sequence ends with its prompt
     and ``outputs`` tokens, and the scheduler's tables always equal the manager's, whatever the
-    prefill interval."""
+    prefill interval and the priorities (aging 2: each unit of priority is two arrivals)."""
     if max(-(-(p + outputs + LOOKAHEAD_SLOTS) // BS) for p in prompts) > blocks:
         return  # one sequence alone cannot fit: not this test's business
     kv = KVCacheManager(blocks, 0, BS)
-    s = scheduler(seqs=4, tokens=budget, interval=interval)
+    s = scheduler(seqs=4, tokens=budget, interval=interval, aging=2)
     for i, n in enumerate(prompts):
-        s.add(f"r{i}", [i * 100 + t for t in range(n)])
+        s.add(f"r{i}", [i * 100 + t for t in range(n)], priority=priorities[i])
     done: dict[str, list[int]] = {}
     for _ in range(2000):
         for seq in s.to_place():
@@ -285,11 +321,12 @@ def test_every_sequence_finishes_under_memory_pressure(
 
 def test_fork_shares_reported_tokens_and_blocks() -> None:
     s = scheduler()
-    s.add("p", list(range(6)))
+    s.add("p", list(range(6)), priority=2)
     s.placed("p", [3, 4], 0, 6)
     [chunk] = s.schedule()
     compute(s, chunk, new_token=50)
     child = s.fork("p", "p#1", 51)
+    assert child.rank == s.seqs["p"].rank  # its parent's place in line, priority included
     assert child.token_ids == [0, 1, 2, 3, 4, 5, 51] and child.unreported == [51]
     assert (child.block_ids, child.num_computed, child.status) == ([3, 4], 6, SeqStatus.RUNNING)
     assert child.block_ids is not s.seqs["p"].block_ids

@@ -16,7 +16,7 @@ import redis
 import redis.asyncio
 
 from contracts import queue_keys, queue_worker
-from contracts.records import OutputRecord
+from contracts.records import OutputRecord, decode_request
 from contracts.tokenizer import BOS
 from gateway.config import GatewayConfig
 from gateway.generation import Delta, Generation, GenerationError
@@ -104,6 +104,19 @@ def test_prompts_and_n_map_to_choice_indices(redis_client: redis.Redis, redis_ur
     batches = run(scenario())
     assert ["".join(texts(batches, c)) for c in range(4)] == ["AA", "BB", "CC", "DD"]
     assert redis_client.xlen(queue_keys.REQUEST_STREAM) == 2  # one request per prompt
+
+
+def test_the_priority_travels_in_the_request_record(
+    redis_client: redis.Redis, redis_url: str
+) -> None:
+    async def scenario() -> None:
+        async with generation(redis_url, "urgent", priority=-7):
+            pass
+
+    run(scenario())
+    entries: Any = redis_client.xrange(queue_keys.REQUEST_STREAM)
+    [(_, fields)] = entries
+    assert decode_request(fields[b"rec"]).priority == -7
 
 
 def test_close_aborts_what_has_not_finished(redis_client: redis.Redis, redis_url: str) -> None:
