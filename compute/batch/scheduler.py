@@ -137,15 +137,27 @@ class SchedulerConfig:
         "difference of priorities of those that arrived after it (the bound on starvation)",
     )
 
+    read_ahead: int = flag(
+        0,
+        "requests a worker reads from Redis beyond --max-num-seqs, held waiting (no KV) in "
+        "the scheduler's order: a request of a lower 'priority' value that arrives under an "
+        "overload of requests then starts at the next free place instead of behind those read "
+        "before it. 0: a worker reads only what it can run (several workers of one pool share "
+        "its queue evenly)",
+    )
+
     def __post_init__(self) -> None:
-        for name in (
-            "max_num_seqs",
-            "max_num_batched_tokens",
-            "prefill_interval",
-            "priority_aging",
-        ):
+        at_least_one = ("max_num_seqs", "max_num_batched_tokens", "prefill_interval")
+        for name in (*at_least_one, "priority_aging"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.read_ahead < 0:
+            raise ValueError("--read-ahead must be at least 0")
+
+    @property
+    def max_held(self) -> int:
+        """Requests a worker holds at most: those it runs and those it read ahead."""
+        return self.max_num_seqs + self.read_ahead
 
 
 class Scheduler:

@@ -307,7 +307,7 @@ class Engine:
         Redis itself, waiting up to ``block_ms`` for a request (idle time, in no phase)."""
         self._clock = time.perf_counter()
         waits = self.idle  # nothing in hand: the read may wait for a request
-        room = self.session.room(self.config.max_num_seqs)
+        room = self.session.room(self.config.max_held)
         self.session.intake.take(room, self.accepting, waits, block_ms if waits else None)
         if waits:
             now = time.perf_counter()
@@ -346,7 +346,7 @@ class Engine:
         found = self.publisher.collect()
         s.intake.found(found.requests)
         busy = bool(self.active) or s.model.on_device  # else: the next step waits on Redis
-        read = s.room(self.config.max_num_seqs) if busy and self.accepting else 0
+        read = s.room(self.config.max_held) if busy and self.accepting else 0
         self.publisher.submit(records, acks, list(self.active), s.requests.gateways(), read)
         return found.checked
 

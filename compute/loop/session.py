@@ -119,9 +119,9 @@ class Session:
             and not self.model.on_device
         )
 
-    def room(self, max_num_seqs: int) -> int:
-        """How many more requests may start."""
-        return max_num_seqs - len(self.requests.active) - len(self.intake.incoming)
+    def room(self, max_held: int) -> int:
+        """How many more requests may be read (``SchedulerConfig.max_held``)."""
+        return max_held - len(self.requests.active) - len(self.intake.incoming)
 
     def drop(self) -> None:
         """Gives up on what is in flight (the kvstore's reply, the device's steps), before the

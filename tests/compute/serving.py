@@ -58,9 +58,12 @@ def run_engine(
     salts: dict[str, bytes] | None = None,
     kv_model: str = "tiny",
     block_ms: int | None = 50,
+    priorities: dict[str, int] | None = None,
+    read_ahead: int = 0,
 ) -> Served:
-    """Serves ``prompts`` to the end (greedy unless ``params`` says otherwise), stepping the
-    engine with ``block_ms`` (None: a busy loop that never waits for requests)."""
+    """Serves ``prompts`` to the end (greedy unless ``params`` says otherwise; ``priorities``:
+    the requests', 0 if not given), stepping the engine with ``block_ms`` (None: a busy loop
+    that never waits for requests)."""
     model, tokenizer, _ = tiny
     process, endpoint = start_kvstore("--model", kv_model, "--dtype", "float32", *flags)
     try:
@@ -76,20 +79,21 @@ def run_engine(
                     (params or {}).get(rid, greedy),
                     "tiny",
                     salt=(salts or {}).get(rid),
+                    priority=(priorities or {}).get(rid, 0),
                 )
                 for rid, prompt in prompts.items()
             ],
         )
         with KVClient(endpoint) as kv:
-            engine = Engine(
-                "w-test", model, tokenizer, kv, r, SchedulerConfig(max_num_seqs, 64), PROFILE
-            )
+            config = SchedulerConfig(max_num_seqs, 64, read_ahead=read_ahead)
+            engine = Engine("w-test", model, tokenizer, kv, r, config, PROFILE)
             deadline = time.monotonic() + 120
             steps = max_used = 0
             while time.monotonic() < deadline:
                 engine.step(block_ms=block_ms)
                 steps += 1
-                assert len(engine.active) <= max_num_seqs
+                assert len(engine.active) <= config.max_held
+                assert len(engine.requests.running()) <= max_num_seqs
                 live = kv.call(p.GetStats(0))
                 max_used = max(max_used, live.gpu.used)
                 rows = {row.req_id: row for row in live.requests}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -12,7 +13,7 @@ import redis
 from compute.batch.scheduler import Scheduler, SchedulerConfig, Sequence
 from compute.loop.engine import Engine
 from compute.model.models import FAMILIES, byte_tokenizer, tiny_family_config
-from contracts import queue_worker
+from contracts import queue_keys, queue_worker
 from contracts.records import RequestRecord, SamplingParams, Streamed
 from kvstore.client import KVClient
 from tests.compute.driver import generate_greedy, paged_model, reference_model
@@ -91,6 +92,30 @@ def test_prefix_hit_reports_cached_tokens_and_same_output(redis_url: str, tiny: 
     assert stats.prefix_hit_tokens == 48
     for rid, prompt in prompts.items():
         assert outputs[rid] == generate_greedy(tiny[2], prompt, 6), rid
+
+
+def served_order(redis_url: str, rids: list[str]) -> list[str]:
+    """``rids`` by their first output record's entry id (Redis orders them in time)."""
+    r = redis.Redis.from_url(redis_url)
+    first = {}
+    for rid in rids:
+        entries: Any = r.xrange(queue_keys.output_key(rid), count=1)
+        millis, seq = entries[0][0].split(b"-")
+        first[rid] = (int(millis), int(seq))
+    return sorted(rids, key=first.__getitem__)
+
+
+def test_read_ahead_lets_a_lower_priority_value_go_first(redis_url: str, tiny: tuple) -> None:
+    """One request at a time (--max-num-seqs 1), five queued before the engine starts, the last
+    with priority -1: read ahead, it is served first, the others in arrival order (its priority
+    moves it 1,024 places); reading only what it runs, the worker serves them as queued."""
+    prompts = prompts_of([5, 6, 7, 8, 9], seed=3)
+    rids = list(prompts)
+    priorities = {rids[-1]: -1}
+    run_engine(redis_url, [], prompts, 4, tiny, max_num_seqs=1, priorities=priorities, read_ahead=8)
+    assert served_order(redis_url, rids) == [rids[-1], *rids[:-1]]
+    run_engine(redis_url, [], prompts, 4, tiny, max_num_seqs=1, priorities=priorities)
+    assert served_order(redis_url, rids) == rids
 
 
 def test_memory_pressure_swaps_and_recomputes_with_identical_output(
