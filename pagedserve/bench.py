@@ -73,6 +73,8 @@ class Client:
         }
         if self.config.ignore_eos:
             body["ignore_eos"] = True
+        if self.config.priority:
+            body["priority"] = self.config.priority
         if turn.schema is not None:
             schema = {"name": "bench", "schema": turn.schema}
             body["response_format"] = {"type": "json_schema", "json_schema": schema}

@@ -69,6 +69,11 @@ class BenchConfig:
         "start, one turn each in flight at most, waiting turns sent first come first served",
     )
     ignore_eos: bool = flag(True, "send ignore_eos (outputs of exactly max_tokens)")
+    priority: int = flag(
+        0,
+        "every request's 'priority' (lower first; 0, the server's default, is not sent): two "
+        "bench processes of different priorities against one server measure the scheduling",
+    )
     tokenizer: str = flag(
         "",
         "local tokenizer directory (or 'tiny') for prompts of exact token lengths",

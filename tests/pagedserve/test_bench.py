@@ -63,6 +63,14 @@ def test_half_the_requests_asking_for_json_of_a_schema(stack: Stack, tmp_path: P
     assert len(guided) == result["guided"] and all(r["finish_reason"] == "stop" for r in guided)
 
 
+def test_requests_of_a_priority_are_served(stack: Stack, tmp_path: Path) -> None:
+    """``--priority 7`` sends each request's ``priority`` (a 400 before priorities were
+    scheduled)."""
+    flags = ["--num-requests", "4", "--input-len", "8:20", "--output-len", "4"]
+    result, _, _ = bench(stack, tmp_path, *flags, "--priority", "7")
+    assert (result["completed"], result["failed"]) == (4, 0)
+
+
 def test_poisson_arrivals_are_spread_over_time(stack: Stack, tmp_path: Path) -> None:
     """At 8 requests per second, the last of 6 is sent no sooner than the drawn gaps allow."""
     flags = ["--num-requests", "6", "--input-len", "4", "--output-len", "2"]
