@@ -10,10 +10,11 @@ plan and goes on; a rank reads it when its host is free (its GPU still running t
 Layout of the mapped file: one 8-byte write position, then one read position per reader, each
 on its own 64-byte line, then ``capacity`` bytes of ring. Positions count bytes since the start
 and only grow; a message is its 8-byte length then its bytes, padded to 8; one that would run
-past the ring's end is placed at its start after a ``WRAP`` length. The writer stores the bytes,
-then the new write position (an aligned 8-byte store): x86-64 makes stores visible to other
-cores in program order, so a reader that sees the position sees the bytes before it (other CPUs
-would need a fence here).
+past the ring's end is placed at its start after a ``WRAP`` length. Positions and lengths are
+read and written as aligned 8-byte words (a ``memoryview`` of the mapping cast to ``Q``: one
+load or store each). The writer stores the bytes, then the new write position: x86-64 makes
+stores visible to other cores in program order, so a reader that sees the position sees the
+bytes before it (other CPUs would need a fence here).
 
 Waiting is polling, which turns from spinning into short sleeps after ``SPIN_S``: a rank that
 waits for its next plan costs a core for a millisecond, then little. A rank that dies is seen by
@@ -23,7 +24,6 @@ on a full ring after ``timeout_s``.
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import os
 import time
@@ -63,10 +63,8 @@ class PlanRing:
             self._map = mmap.mmap(fd, size)
         finally:
             os.close(fd)
-        self._written = ctypes.c_uint64.from_buffer(self._map, 0)
-        self._reads = [
-            ctypes.c_uint64.from_buffer(self._map, LINE * r) for r in range(1, 1 + readers)
-        ]
+        self._words = memoryview(self._map).cast("Q")  # 8-byte words: one load or store each
+        self._reads = [LINE // 8 * r for r in range(1, 1 + readers)]  # word of reader r's position
         self._mine = None if reader is None else self._reads[reader - 1]
 
     def unlink(self) -> None:
@@ -78,24 +76,25 @@ class PlanRing:
         size = 8 + len(payload) + (-len(payload) % 8)
         if size > self.capacity // 2:
             raise ValueError(f"a message of {len(payload)} bytes; the ring holds {self.capacity}")
-        at = self._written.value
+        at = self._words[0]
         offset = at % self.capacity
         skip = self.capacity - offset if offset + size > self.capacity else 0
         end = at + skip + size
-        self._wait(lambda: end - min(r.value for r in self._reads) <= self.capacity, "room")
+        self._wait(lambda: end - min(self._words[r] for r in self._reads) <= self.capacity, "room")
         if skip:
             self._store_length(offset, WRAP)
             offset = 0
         self._store_length(offset, len(payload))
         start = self.header + offset + 8
         self._map[start : start + len(payload)] = payload
-        self._written.value = end  # published: the bytes before it are visible first (x86-64)
+        self._words[0] = end  # published: the bytes before it are visible first (x86-64)
 
     def receive(self) -> bytes:
         """Reader: the next message (waits for it as long as it takes)."""
-        assert self._mine is not None, "rank 0 writes the ring"
-        at = self._mine.value
-        self._wait(lambda: self._written.value > at, None)
+        mine = self._mine
+        assert mine is not None, "rank 0 writes the ring"
+        at = self._words[mine]
+        self._wait(lambda: self._words[0] > at, None)
         offset = at % self.capacity
         length = self._load_length(offset)
         if length == WRAP:
@@ -104,14 +103,15 @@ class PlanRing:
             length = self._load_length(0)
         start = self.header + offset + 8
         payload = self._map[start : start + length]
-        self._mine.value = at + 8 + length + (-length % 8)
+        self._words[mine] = at + 8 + length + (-length % 8)
         return payload
 
     def _store_length(self, offset: int, length: int) -> None:
-        ctypes.c_uint64.from_buffer(self._map, self.header + offset).value = length
+        self._words[(self.header + offset) // 8] = length
 
     def _load_length(self, offset: int) -> int:
-        return ctypes.c_uint64.from_buffer(self._map, self.header + offset).value
+        length: int = self._words[(self.header + offset) // 8]
+        return length
 
     def _wait(self, ready: Callable[[], bool], what: str | None) -> None:
         """Polls ``ready()``: spinning for ``SPIN_S``, then napping; ``what`` (the writer's
