@@ -21,8 +21,9 @@ Policy (as vLLM / SGLang with chunked prefill):
   N - 1 steps before it took none (vLLM v0's ``--scheduler-delay-factor``, counted in steps):
   prompts gather into fewer, larger steps, so most decode steps carry no prompt (a shorter
   median inter-token gap, for later first tokens and longer gaps at the prompt steps);
-- placement (admission or resume) oldest first, preempted sequences before new ones, while the
-  number of running sequences stays under ``max_num_seqs``;
+- placement (admission or resume) oldest first (a preempted sequence arrived before the new
+  ones, and goes first at a tie), while the number of running sequences stays under
+  ``max_num_seqs``;
 - the preemption victim is the running sequence that arrived last.
 
 "Oldest" and "last" go by a sequence's ``rank``: its arrival (a counter of the sequences this
@@ -230,8 +231,9 @@ class Scheduler:
         return chunks
 
     def to_place(self, seqs: Iterable[Sequence]) -> list[Sequence]:
-        """Those of ``seqs`` to admit or resume at the kvstore now: preempted before new,
-        oldest first, while running sequences stay under ``max_num_seqs``. A preempted sequence
+        """Those of ``seqs`` to admit or resume at the kvstore now: lowest rank first (a
+        preempted one before a new one at a tie), while running sequences stay under
+        ``max_num_seqs``. A preempted sequence
         that a launched step still computes waits until that step is processed (its work went
         to the blocks it lost, and must not count once it is placed again)."""
         seqs = list(seqs)
