@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -116,6 +117,31 @@ def rank_pids() -> list[int]:
     return pids_of(b"compute.loop.rank")
 
 
+def streaming_group(
+    tmp_path: Path, req_id: str
+) -> tuple[subprocess.Popen[str], redis.Redis, Path, list[int], int]:
+    """``pagedserve up --tensor-parallel-size 2`` of a tiny Llama checkpoint, with request
+    ``req_id`` submitted and 10 of its tokens streamed: ``up``'s process, its Redis, the
+    checkpoint, the prompt and ``max_tokens``."""
+    checkpoint = family_checkpoint("llama", tmp_path / "llama")
+    prompt, max_tokens = [1, *range(60, 100)], 150
+    up = start_up(free_port(), tmp_path / "redis", checkpoint, "--tensor-parallel-size", "2")
+    try:
+        banner = banner_of(up, 180)
+        redis_url = banner.split("redis ")[1].split(",")[0]
+        r = redis.Redis.from_url(redis_url)
+        submit(redis_url, req_id, max_tokens=max_tokens, prompt=prompt)
+        deadline = time.monotonic() + 90
+        while len(queue_worker.read_streamed(r, req_id).sequences.get(0, NONE).token_ids) < 10:
+            assert time.monotonic() < deadline, "the group never streamed"
+            time.sleep(0.05)
+    except BaseException:
+        up.send_signal(signal.SIGINT)
+        up.wait(120)
+        raise
+    return up, r, checkpoint, prompt, max_tokens
+
+
 @pytest.mark.parametrize("rank", [1, 0])
 def test_sigkill_of_a_rank_mid_stream_restarts_the_group_and_the_stream_completes(
     rank: int, tmp_path: Path
@@ -124,18 +150,8 @@ def test_sigkill_of_a_rank_mid_stream_restarts_the_group_and_the_stream_complete
     Rank 1: rank 0 sees its process exit and exits too; rank 0 (the worker): rank 1 gets SIGKILL
     with it (its parent-death signal). ``up`` restarts the worker, which starts a new rank 1, and
     the restarted group takes its request back: the output is transformers'."""
-    checkpoint = family_checkpoint("llama", tmp_path / "llama")
-    prompt, max_tokens = [1, *range(60, 100)], 150
-    up = start_up(free_port(), tmp_path / "redis", checkpoint, "--tensor-parallel-size", "2")
+    up, r, checkpoint, prompt, max_tokens = streaming_group(tmp_path, "tp-kill")
     try:
-        banner = banner_of(up, 180)
-        redis_url = banner.split("redis ")[1].split(",")[0]
-        r = redis.Redis.from_url(redis_url)
-        submit(redis_url, "tp-kill", max_tokens=max_tokens, prompt=prompt)
-        deadline = time.monotonic() + 90
-        while len(queue_worker.read_streamed(r, "tp-kill").sequences.get(0, NONE).token_ids) < 10:
-            assert time.monotonic() < deadline, "the group never streamed"
-            time.sleep(0.05)
         [rank_1] = rank_pids()
         rank_0 = int(Path(f"/proc/{rank_1}/stat").read_text().rsplit(")", 1)[1].split()[1])
         os.kill(rank_1 if rank else rank_0, signal.SIGKILL)
@@ -164,18 +180,8 @@ def test_the_kvstore_killed_mid_stream_the_group_maps_its_new_pools_and_complete
     streams. ``up`` restarts it with new rank pools; rank 0 registers again and sends rank 1 the
     new pools (a ``map`` plan), so the group lives on (the same rank 1 process) and recomputes
     the request: the output is transformers'."""
-    checkpoint = family_checkpoint("llama", tmp_path / "llama")
-    prompt, max_tokens = [1, *range(60, 100)], 150
-    up = start_up(free_port(), tmp_path / "redis", checkpoint, "--tensor-parallel-size", "2")
+    up, r, checkpoint, prompt, max_tokens = streaming_group(tmp_path, "tp-kv")
     try:
-        banner = banner_of(up, 180)
-        redis_url = banner.split("redis ")[1].split(",")[0]
-        r = redis.Redis.from_url(redis_url)
-        submit(redis_url, "tp-kv", max_tokens=max_tokens, prompt=prompt)
-        deadline = time.monotonic() + 90
-        while len(queue_worker.read_streamed(r, "tp-kv").sequences.get(0, NONE).token_ids) < 10:
-            assert time.monotonic() < deadline, "the group never streamed"
-            time.sleep(0.05)
         [rank_1] = rank_pids()
         [kvstore] = pids_of(b"kvstore", parent=up.pid)
         os.kill(kvstore, signal.SIGKILL)
