@@ -9,6 +9,7 @@ import signal
 import subprocess
 import urllib.request
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -29,6 +30,16 @@ def finished_requests(url: str) -> float:
     return sum(float(c) for c in counts)
 
 
+def stream_all(example: str, n: int, log: Callable[[], str]) -> None:
+    """``n`` completions streamed at once, 6 connections at a time; a failed one names the
+    stack's log (a gateway that died says why there)."""
+    try:
+        with ThreadPoolExecutor(6) as pool:
+            assert len(list(pool.map(lambda _: stream_one_completion(example), range(n)))) == n
+    except OSError as err:
+        raise AssertionError(f"{err!r}; the log of up:\n{log()[-8000:]}") from err
+
+
 def test_two_gateways_share_the_port_sum_their_metrics_and_survive_a_kill(
     tmp_path: Path,
 ) -> None:
@@ -47,8 +58,7 @@ def test_two_gateways_share_the_port_sum_their_metrics_and_survive_a_kill(
         wait_for("both gateways", lambda: log().count("with SO_REUSEPORT") == 2, 60, up)
         # Each stream ends with [DONE] (stream_one_completion checks; its text may be empty:
         # the random model may stop at once), a connection each: the kernel spreads them.
-        with ThreadPoolExecutor(6) as pool:
-            assert len(list(pool.map(lambda _: stream_one_completion(example), range(12)))) == 12
+        stream_all(example, 12, log)
         # Each scrape lands on either process and counts the requests of both.
         assert [finished_requests(url) for _ in range(4)] == [12.0] * 4
         killed = min(first)
@@ -63,8 +73,7 @@ def test_two_gateways_share_the_port_sum_their_metrics_and_survive_a_kill(
         wait_for("it listens", lambda: log().count("with SO_REUSEPORT") == 3, 60, up)
         before = finished_requests(url)
         assert before == 18.0  # the killed process's counts stay in
-        with ThreadPoolExecutor(6) as pool:
-            assert len(list(pool.map(lambda _: stream_one_completion(example), range(6)))) == 6
+        stream_all(example, 6, log)
         assert [finished_requests(url) for _ in range(4)] == [before + 6] * 4
         assert "Traceback" not in log(), log()
     finally:
