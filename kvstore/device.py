@@ -184,12 +184,23 @@ class DevicePools:
         """Copies CPU blocks to GPU blocks (``(cpu, gpu)`` pairs); returns seconds, synchronised."""
         return self._move([(g, c) for c, g in pairs], to_cpu=False)
 
-    def _move(self, pairs: list[tuple[int, int]], to_cpu: bool) -> float:
+    def load_from(self, other: DevicePools, pairs: list[tuple[int, int]]) -> float:
+        """Copies ``other``'s CPU-tier blocks into this pool (``(its cpu, our gpu)`` pairs, same
+        geometry); returns seconds, synchronised."""
+        if other.cpu_pool.shape[1:] != self.cpu_pool.shape[1:]:
+            raise ValueError("a load between pools of different geometries")
+        return self._move([(g, c) for c, g in pairs], to_cpu=False, host=other.cpu_pool)
+
+    def _move(
+        self, pairs: list[tuple[int, int]], to_cpu: bool, host: torch.Tensor | None = None
+    ) -> float:
+        """``(gpu, cpu)`` pairs between this pool and ``host`` (default: its own CPU tier)."""
         start = time.perf_counter()
         if not pairs:
             return 0.0
         pairs = sorted(pairs, key=lambda pair: pair[1])  # CPU ids in order: longest runs
         chunk = self.staging.shape[0]
+        cpu_pool = self.cpu_pool if host is None else host
         with torch.cuda.stream(self.stream) if self.device.type == "cuda" else nullcontext():
             for lo in range(0, len(pairs), chunk):
                 part = pairs[lo : lo + chunk]
@@ -199,11 +210,11 @@ class DevicePools:
                 if to_cpu:
                     torch.index_select(self.pool, 0, gpu_ids, out=staging)
                 for pos, first, n in contiguous_runs(cpu_ids):
-                    host = self.cpu_pool[first : first + n]
+                    run = cpu_pool[first : first + n]
                     if to_cpu:
-                        host.copy_(staging[pos : pos + n], non_blocking=True)
+                        run.copy_(staging[pos : pos + n], non_blocking=True)
                     else:
-                        staging[pos : pos + n].copy_(host, non_blocking=True)
+                        staging[pos : pos + n].copy_(run, non_blocking=True)
                 if not to_cpu:
                     self.pool.index_copy_(0, gpu_ids, staging)
         if self.device.type == "cuda":

@@ -5,14 +5,16 @@ them. Torch-free; called only from the daemon's single-threaded loop.
 - ``Route`` places a request on a pool (``kvstore.placement``) from what every pool holds and
   runs now, and counts it as queued there until a worker of that pool admits it.
 - Before a pool's worker admits a request, the longest chain of its prompt's blocks that another
-  pool caches on its GPU tier and this pool does not is copied over, or left to be recomputed,
-  whichever the cost model prices lower (``--peer-copy``): the copy runs here, synchronised,
-  before the admission, which then hits the copied blocks like any cached prefix.
+  pool holds (its GPU tier, carried on by its CPU tier) and this pool does not is copied over, or
+  left to be recomputed, whichever the cost model prices lower (``--peer-copy``): the blocks on
+  the other GPU are copied GPU to GPU, those only its CPU tier holds are loaded from that tier
+  straight into this pool. The copy runs here, synchronised, before the admission, which then
+  hits the copied blocks like any cached prefix.
 - ``GetStats`` sums the pools and lists each (``PoolRow``).
 
 One prefix index per pool, exact: a request's entry in every pool is looked up, which is what an
 entry naming every pool that holds it would give. Each pool keeps its own CPU tier (a share of
-``--swap-memory``).
+``--swap-memory``); any pool loads from any of them.
 """
 
 from __future__ import annotations
@@ -36,10 +38,12 @@ from kvstore.stats import merge_stats, pool_row
 
 log = logging.getLogger("pagedserve.kvstore")
 PeerCopyMode = Literal["auto", "always", "never"]
-Copier = Callable[[int, int, list[tuple[int, int]]], float]  # (src pool, dst pool, pairs) -> s
+# (src pool, dst pool, (src block, dst GPU block) pairs, the src blocks' tier) -> seconds
+Copier = Callable[[int, int, list[tuple[int, int]], p.Tier], float]
 ROUTED_TTL_S = 300.0  # a routed request no worker admitted in this long stops counting as queued
 PRIOR_PREFILL_S_PER_TOKEN = 1e-4  # before any worker of the host sent a prefill profile
 PRIOR_COPY = LinearCost(50e-6, 20e-6)  # before the daemon timed copies between its pools
+PRIOR_LOAD = LinearCost(50e-6, 150e-6)  # before a pool calibrated its CPU tier's loads
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,7 @@ class Host:
         self._pool_of: dict[str, int] = {}  # worker id -> its pool
         self._routed: dict[str, _Routed] = {}
         self._queued_tokens = [0] * len(services)
+        self._loaded_in = [0] * len(services)  # blocks loaded from other pools' CPU tiers
         self._turn = 0  # requests routed round robin, a counter
 
     @property
@@ -151,6 +156,7 @@ class Host:
                 self._queued_tokens[i],
                 bool(self.services[i].leases.workers),
                 max(m.pool.num_free - m.watermark_blocks, 0),
+                len(hit.gpu),
             )
             for i, (m, hit) in enumerate(zip(managers, hits, strict=True))
         ]
@@ -180,8 +186,16 @@ class Host:
                 tokens, seconds = max(points)
                 per_token = seconds / tokens
                 break
-        copy = self.copy_price or PRIOR_COPY
-        return Prices(per_token, copy.fixed_s, copy.per_unit_s)
+        copy, load = self.copy_price or PRIOR_COPY, self._load_price()
+        return Prices(per_token, copy.fixed_s, copy.per_unit_s, load.fixed_s, load.per_unit_s)
+
+    def _load_price(self) -> LinearCost:
+        """A batch of CPU-tier blocks loaded into a GPU: the first pool's calibrated swap-in
+        (the pools' host links are alike)."""
+        for manager in self.managers:
+            if manager.pricing.calibration is not None:
+                return manager.pricing.calibration.swap_in
+        return PRIOR_LOAD
 
     def _chain(self, token_ids: list[int], salt: bytes | None) -> tuple[list[bytes], list[bytes]]:
         request = Request("", "", salt, list(token_ids))
@@ -200,21 +214,24 @@ class Host:
         return reply
 
     def _bring(self, pool: int, worker: str, item: p.AdmitItem) -> list[int]:
-        """Copies into ``pool`` the blocks of ``item``'s prompt that another pool caches on its
-        GPU tier beyond what ``pool`` holds, if the cost model (or ``--peer-copy``) says so:
-        called by the pool's service right before the admission (the step's frees and appends
-        ran). The blocks it holds once each, which the service releases after the admission:
-        those received and the pool's own blocks of the chain, kept from eviction meanwhile."""
+        """Copies into ``pool`` the blocks of ``item``'s prompt that another pool holds beyond
+        what ``pool`` holds (on its GPU, or only in its CPU tier: loaded from there), if the
+        cost model (or ``--peer-copy``) says so: called by the pool's service right before the
+        admission (the step's frees and appends ran). The blocks it holds once each, which the
+        service releases after the admission: those received and the pool's own blocks of the
+        chain, kept from eviction meanwhile."""
         if self.peer_copy == "never" or self.copier is None:
             return []
         keys, contents = self._chain(item.token_ids, item.salt)
         num_tokens = len(item.token_ids)
         hits = [m.index.lookup(keys, contents, num_tokens, record=False) for m in self.managers]
         here = hits[pool]
-        source = max(range(len(hits)), key=lambda i: (hits[i].gpu_run, i == pool, -i))
-        if source == pool or hits[source].gpu_run <= len(here.gpu):  # its tiers hold as much
+        source = max(
+            range(len(hits)), key=lambda i: (len(hits[i].gpu), hits[i].gpu_run, i == pool, -i)
+        )
+        if len(hits[source].gpu) <= len(here.gpu):  # its tiers hold as much
             return []
-        dst, end = self.managers[pool], hits[source].gpu_run
+        dst, end = self.managers[pool], len(hits[source].gpu)
         entries = [dst.index.entry(key) for key in keys[:end]]
         own = [e.block for e in entries if e is not None and e.block is not None]
         positions = [i for i, e in enumerate(entries) if e is None or e.block is None]
@@ -222,13 +239,15 @@ class Host:
         room = dst.pool.num_available - idle_own - dst.watermark_blocks
         if room < table_blocks(num_tokens, dst.block_size) - len(own):
             return []
+        from_cpu = [i for i in positions if hits[source].gpu[i] is None]
         bs = dst.block_size
+        copy_s = (self.copy_price or PRIOR_COPY).seconds(len(positions) - len(from_cpu))
         choice = dst.pricing.peer_copy(
             worker,
-            (self.copy_price or PRIOR_COPY).seconds(len(positions)),
-            (hits[source].gpu_run - here.gpu_run) * bs,
+            copy_s + (self._load_price().seconds(len(from_cpu)) if from_cpu else 0.0),
+            (end - here.gpu_run) * bs,
             here.gpu_run * bs,
-            max(num_tokens - hits[source].gpu_run * bs, 0),
+            max(num_tokens - end * bs, 0),
             sum(r.worker == worker for r in dst.requests.values()),
         )
         if self.peer_copy == "always" and choice.mode != "copy":
@@ -240,22 +259,30 @@ class Host:
             return []
         for block in own:  # not evicted by the blocks received
             dst.pool.ref(block)
-        sources = [hits[source].gpu[i] for i in positions]  # all in its GPU run: not None
         try:
             blocks = dst.store.receive(keys, contents, positions)
         except KVError:  # no room after all (the check above should have said so)
             dst.pool.release(own)
             raise
         self.services[pool].run_pending()  # what receiving evicted is demoted before the copy
-        pairs = [(s, d) for s, d in zip(sources, blocks, strict=True) if s is not None]
-        assert len(pairs) == len(blocks)
-        seconds = self.copier(source, pool, pairs)
+        self.services[source].run_pending()  # (nothing queued: it ran before its last reply)
+        pairs: dict[p.Tier, list[tuple[int, int]]] = {"gpu": [], "cpu": []}
+        for i, block in zip(positions, blocks, strict=True):
+            on_gpu, on_cpu = hits[source].gpu[i], hits[source].cpu[i]
+            if on_gpu is not None:
+                pairs["gpu"].append((on_gpu, block))
+            else:
+                assert on_cpu is not None, "a lookup position held by neither tier"
+                pairs["cpu"].append((on_cpu, block))
+        seconds = sum(self.copier(source, pool, some, tier) for tier, some in pairs.items() if some)
+        self._loaded_in[pool] += len(pairs["cpu"])
         dst.decisions.add_actual(decision.id, seconds)
         log.info(
-            "copied %d blocks of %s from pool %d to pool %d in %.2f ms (%s)",
+            "copied %d blocks of %s from pool %d (%d from its CPU tier) to pool %d in %.2f ms (%s)",
             len(blocks),
             item.req_id,
             source,
+            len(from_cpu),
             pool,
             seconds * 1e3,
             choice.reason,
@@ -274,6 +301,7 @@ class Host:
                 [w for w in self.services[i].leases.workers if self._pool_of.get(w) == i],
                 sum(r.pool == i for r in self._routed.values()),
                 self._queued_tokens[i],
+                self._loaded_in[i],
             )
             for i, s in enumerate(self.services)
         ]

@@ -11,7 +11,9 @@ Two routes, chosen by measurement when the daemon starts (``PeerCopier.calibrate
   transfer to the destination's staging buffer, a scatter there; rounds of half a buffer,
   double-buffered (the gather of a round runs while the round before crosses the link).
 
-Every copy is synchronised before it returns: the daemon replies only once the blocks are in.
+A block only a pool's CPU tier holds is loaded from that tier into the other pool, as its own
+swap-in would be (``DevicePools.load_from``). Every copy is synchronised before it returns:
+the daemon replies only once the blocks are in.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 
 from kvstore.cost_model import LinearCost, fit_linear
 from kvstore.device import DevicePools
+from kvstore.protocol import Tier
 
 log = logging.getLogger("pagedserve.kvstore")
 CopyRoute = Literal["push", "pull", "staged"]
@@ -54,10 +57,18 @@ class PeerCopier:
         return self._direct[src, dst]
 
     def copy(
-        self, src: int, dst: int, pairs: list[tuple[int, int]], route: CopyRoute | None = None
+        self,
+        src: int,
+        dst: int,
+        pairs: list[tuple[int, int]],
+        route: CopyRoute | None = None,
+        tier: Tier = "gpu",
     ) -> float:
-        """Copies pool ``src``'s blocks into pool ``dst``'s (``(src block, dst block)`` pairs),
-        by ``route`` (default: the calibrated one); returns seconds, synchronised."""
+        """Copies pool ``src``'s blocks of ``tier`` into pool ``dst``'s GPU blocks (``(src block,
+        dst block)`` pairs), a GPU's by ``route`` (default: the calibrated one), a CPU tier's
+        through ``dst``'s staging buffer; returns seconds, synchronised."""
+        if tier == "cpu":
+            return self.pools[dst].load_from(self.pools[src], pairs)
         route = route or self.route
         if route != "staged" and self.direct_possible(src, dst):
             self._open_peers(src, dst)

@@ -1,13 +1,15 @@
 """Placement: which of the host's pools serves a request. Pure Python, no I/O.
 
 The daemon knows exactly, at the time of the call, what each pool holds and runs (``PoolView``):
-the request's prefix cached there (GPU tier), its room, its running requests and the requests
-routed to it that no worker admitted yet. The ``prefix`` policy prices each pool as
+the request's prefix cached there (GPU tier, and how far its CPU tier carries it on), its room,
+its running requests and the requests routed to it that no worker admitted yet. The ``prefix``
+policy prices each pool as
 
     wait (the prefill owed by the requests queued there, and a share of a step per running one)
     + the request's own prefill there, after what that pool has cached
       or, where another pool caches more: copying the difference over + the rest's prefill,
-      whichever is cheaper
+      or, where a CPU tier (this pool's or another's) carries the chain further: loading the
+      difference + the rest's prefill, whichever is cheapest
     + what the blocks it allocates there displace: each block beyond the pool's empty ones
       evicts a cached block, priced as recomputing it (``EVICTED_BLOCK_WEIGHT``)
 
@@ -18,8 +20,8 @@ pools full of cached prefixes, a prefix stays on one pool until its wait there e
 own prefill, so the pools hold different prefixes (together up to the sum of their sizes) instead
 of the same hot ones twice. ``least_loaded`` prices the wait alone (the request's own prefill at
 full length); ``round_robin`` takes pools in turn (all of them: the baseline knows nothing).
-The prices (``Prices``) come from the workers' measured prefill profiles and the daemon's
-measured peer copies.
+The prices (``Prices``) come from the workers' measured prefill profiles, the daemon's measured
+peer copies and its calibrated CPU-tier loads.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ EVICTED_BLOCK_WEIGHT = 1.0
 @dataclass(frozen=True)
 class PoolView:
     """One pool as the daemon sees it now, for one request. ``cached_blocks``: the leading full
-    blocks of the request's prompt cached in this pool's GPU tier. ``free_blocks``: what an
+    blocks of the request's prompt cached in this pool's GPU tier; ``held_blocks``: those its
+    GPU and CPU tiers hold together (None: ``cached_blocks``). ``free_blocks``: what an
     admission may take (free and evictable, above the watermark). ``queued_tokens``: the prompt
     tokens that requests routed here and not yet admitted will prefill."""
 
@@ -52,22 +55,40 @@ class PoolView:
     queued_tokens: int
     serving: bool = True  # a worker of the pool holds a live lease
     empty_blocks: int | None = None  # of free_blocks, those holding no cached KV (None: all)
+    held_blocks: int | None = None
+
+    @property
+    def held(self) -> int:
+        return max(self.held_blocks or 0, self.cached_blocks)
 
 
 @dataclass(frozen=True)
 class Prices:
     """``prefill_s_per_token``: a pool's prefill cost per token; ``copy_fixed_s`` and
-    ``copy_s_per_block``: a batched copy of blocks from one pool to another."""
+    ``copy_s_per_block``: a batched copy of blocks from one pool's GPU to another's;
+    ``load_fixed_s`` and ``load_s_per_block``: a batched load of CPU-tier blocks into a GPU
+    (None: as dear as a recompute, so never chosen)."""
 
     prefill_s_per_token: float
     copy_fixed_s: float
     copy_s_per_block: float
+    load_fixed_s: float | None = None
+    load_s_per_block: float = 0.0
 
     def prefill_s(self, tokens: int) -> float:
         return max(tokens, 0) * self.prefill_s_per_token
 
     def copy_s(self, blocks: int) -> float:
         return self.copy_fixed_s + blocks * self.copy_s_per_block if blocks > 0 else 0.0
+
+    def load_s(self, blocks: int) -> float | None:
+        if blocks <= 0:
+            return 0.0
+        return (
+            None
+            if self.load_fixed_s is None
+            else self.load_fixed_s + blocks * self.load_s_per_block
+        )
 
 
 @dataclass(frozen=True)
@@ -97,20 +118,32 @@ def evicted_s(view: PoolView, new_blocks: int, block_size: int, prices: Prices) 
 
 
 def bring(
-    view: PoolView, best_blocks: int, num_tokens: int, block_size: int, prices: Prices
+    view: PoolView,
+    best_blocks: int,
+    best_held: int,
+    num_tokens: int,
+    block_size: int,
+    prices: Prices,
 ) -> tuple[float, Bring, int]:
     """The cost of the request's own prefill on ``view``'s pool, how its prefix gets there and
-    the tokens it holds: what the pool caches, or (``best_blocks`` cached elsewhere) a copy of
-    the difference if that is cheaper than recomputing it."""
-    here = view.cached_blocks * block_size
-    recompute = prices.prefill_s(num_tokens - here)
-    if best_blocks <= view.cached_blocks:
-        return recompute, "cached" if here else "none", here
-    best = best_blocks * block_size
-    copy = prices.copy_s(best_blocks - view.cached_blocks) + prices.prefill_s(num_tokens - best)
-    if copy < recompute:
-        return copy, "copy", best
-    return recompute, "recompute", here
+    the tokens it holds: what the pool caches, or (``best_blocks`` cached on another GPU,
+    ``best_held`` in some pool's two tiers) a copy or a load of the difference, whichever of the
+    three is cheapest (a tie: the first)."""
+    here = view.cached_blocks
+    options: list[tuple[float, Bring, int]] = [
+        (prices.prefill_s(num_tokens - here * block_size), "recompute", here)
+    ]
+    if best_blocks > here:
+        rest = prices.prefill_s(num_tokens - best_blocks * block_size)
+        options.append((prices.copy_s(best_blocks - here) + rest, "copy", best_blocks))
+    load = prices.load_s(best_held - here)
+    if best_held > max(best_blocks, here) and load is not None:
+        rest = prices.prefill_s(num_tokens - best_held * block_size)
+        options.append((load + rest, "load", best_held))
+    seconds, how, blocks = min(options, key=lambda option: option[0])
+    if best_held <= here:  # nothing better anywhere
+        how = "cached" if here else "none"
+    return seconds, how, blocks * block_size
 
 
 def needed_blocks(num_tokens: int, block_size: int, lookahead: int) -> int:
@@ -131,7 +164,8 @@ def choose_pool(
     if not views:
         raise ValueError("no pools to choose from")
     best_blocks = max(v.cached_blocks for v in views)
-    brought = [bring(v, best_blocks, num_tokens, block_size, prices) for v in views]
+    best_held = max(v.held for v in views)
+    brought = [bring(v, best_blocks, best_held, num_tokens, block_size, prices) for v in views]
     if policy == "round_robin":
         i = turn % len(views)
         _, how, cached = brought[i]

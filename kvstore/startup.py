@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from kvstore.host import Host, PeerCopyMode
 from kvstore.manager import KVCacheManager
+from kvstore.protocol import Tier
 from kvstore.service import KVService
 
 if TYPE_CHECKING:
@@ -60,8 +61,8 @@ def build_host(config: KVStoreConfig) -> tuple[Host, list[Pools]]:
         mode = "always" if config.peer_copy == "always" else "never"
     devices = [str(d.device) for d in pools]
 
-    def copy(src: int, dst: int, pairs: list[tuple[int, int]]) -> float:
-        return sum(c.copy(src, dst, pairs) for c in copiers)
+    def copy(src: int, dst: int, pairs: list[tuple[int, int]], tier: Tier) -> float:
+        return sum(c.copy(src, dst, pairs, tier=tier) for c in copiers)
 
     return Host(services, devices, copy, price, mode), pools
 

@@ -98,9 +98,10 @@ def pool_row(
     workers: list[str],
     queued: int,
     queued_tokens: int,
+    loaded_in: int = 0,
 ) -> p.PoolRow:
-    """One pool's line of the host's stats (``Host`` counts what was routed; the blocks copied
-    in are its store's ``received``)."""
+    """One pool's line of the host's stats (``Host`` counts what was routed and the blocks
+    loaded in from other pools' CPU tiers; the blocks copied in are its store's ``received``)."""
     gpu = m.pool
     return p.PoolRow(
         pool,
@@ -113,6 +114,7 @@ def pool_row(
         m.index.queried_tokens,
         m.index.hit_tokens,
         m.store.counts["received"],
+        loaded_in,
     )
 
 

@@ -48,8 +48,9 @@ DecisionKind = Literal["preempt", "prefix", "peer"]
 # How the gateway places a request on one of the host's pools (``kvstore.placement``).
 RoutingPolicy = Literal["prefix", "round_robin", "least_loaded"]
 # How a routed request's cached prefix reaches its pool: it is there, it is copied from another
-# pool, it is recomputed, or nothing is cached anywhere.
-Bring = Literal["cached", "copy", "recompute", "none"]
+# pool's GPU, it is loaded from a CPU tier (the pool's own or another's), it is recomputed, or
+# nothing is cached anywhere.
+Bring = Literal["cached", "copy", "load", "recompute", "none"]
 # One byte per block in ``BlockMap``: what the block holds now.
 BlockState = Literal["free", "running", "cached", "swapped", "demoted"]
 BLOCK_STATES: tuple[BlockState, ...] = ("free", "running", "cached", "swapped", "demoted")

@@ -155,7 +155,8 @@ class WorkerRow(_Item):
 class PoolRow(_Item):
     """One pool of the host: its device, its GPU tier, its workers (those with a live lease), the
     requests it runs and those routed to it that no worker admitted yet, the prefix tokens it was
-    asked for and hit, and the blocks copied into it from other pools."""
+    asked for and hit, and the blocks copied into it from other pools (``loaded_in_blocks`` of
+    them from another pool's CPU tier)."""
 
     pool: int
     device: str
@@ -167,6 +168,7 @@ class PoolRow(_Item):
     prefix_queried_tokens: int
     prefix_hit_tokens: int
     copied_in_blocks: int
+    loaded_in_blocks: int = 0
 
 
 class Stats(_Msg):

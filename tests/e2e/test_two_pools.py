@@ -8,6 +8,11 @@ cached tokens and the pool that served it (``X-PagedServe-Pool``), the pool's ow
 grows by as much and nothing is copied. Then B goes
 round robin to pool 0, which does not hold it: the daemon copies B's 12 blocks from pool 1 into
 pool 0 (``--peer-copy always``) and the answer is the one B's fresh prefill gave, token for token.
+
+A second stack has small pools (39 blocks each) and CPU tiers: C served on one pool, a prompt
+filling that pool pushes C's blocks out of its GPU into its CPU tier (at least 10 of its 12: the
+filler's admission takes 37 blocks of the 27 free); C sent to the other pool gets all 12 copied,
+those out of the GPU from the CPU tier, none recomputed, and answers as C's fresh prefill did.
 """
 
 from __future__ import annotations
@@ -43,6 +48,15 @@ def two_pools(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Itera
     with running_stack(
         redis_url, logs, 6, "0.01GiB", kvstore_flags=["--peer-copy", "always"], pools=2
     ) as stack:
+        yield stack
+
+
+@pytest.fixture(scope="module")
+def small_pools(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """Two pools of 39 blocks (8 KiB each), CPU tiers of 1,310 blocks."""
+    logs = tmp_path_factory.mktemp("small-pools")
+    flags = ["--peer-copy", "always", "--swap-memory", "0.01"]
+    with running_stack(redis_url, logs, 7, "0.0003GiB", kvstore_flags=flags, pools=2) as stack:
         yield stack
 
 
@@ -123,3 +137,32 @@ def test_the_admin_page_shows_each_pools_block_map(
         lambda: any(u.endswith("/admin/blocks?pool=1") for u in requested_urls(browser)),
     )
     wait_for("pool 1's map drawn", lambda: gpu_map(browser).get("cached") == cached[1])
+
+
+def test_a_prefix_in_one_pools_cpu_tier_is_loaded_into_the_other_and_answers_alike(
+    small_pools: Stack,
+) -> None:
+    stack = small_pools
+    rng = random.Random(35)
+    c = [rng.randrange(256) for _ in range(PROMPT_TOKENS)]
+    total = pools(stack)[0].gpu.total
+    assert total == 39
+    with stack.gateway("--routing", "round_robin") as round_robin:  # pools in turn
+        fresh = complete_greedy(round_robin.url, c)
+        home = int(fresh["pool"])
+        for _ in range(2):  # the next turn of C's pool: a prompt needing all but 2 blocks
+            filler = [rng.randrange(256) for _ in range((total - 3) * 16)]
+            if int(complete_greedy(round_robin.url, filler)["pool"]) == home:
+                break
+        else:
+            raise AssertionError("round robin never came back to C's pool")
+        before = pools(stack)
+        loaded = complete_greedy(round_robin.url, c)  # the other pool's turn
+    other = 1 - home
+    assert int(loaded["pool"]) == other
+    assert cached(loaded) == CACHED
+    assert tokens(loaded) == tokens(fresh)
+    after = pools(stack)
+    copied = after[other].copied_in_blocks - before[other].copied_in_blocks
+    from_cpu = after[other].loaded_in_blocks - before[other].loaded_in_blocks
+    assert copied == CACHED // 16 and 10 <= from_cpu <= copied, (copied, from_cpu)

@@ -100,6 +100,31 @@ def test_swap_out_then_in_returns_identical_bytes_and_frees_cpu_blocks(pools: De
     manager.check_integrity()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_pool_loads_another_pools_cpu_blocks_byte_exact(device: str) -> None:
+    """Pool 1 loads CPU blocks 3, 4 and 9 of pool 0's tier into its GPU blocks 7, 2 and 5 (runs
+    of the source ids, out of order on the destination); nothing else of pool 1 changes."""
+    src, dst = (DevicePools(GEOMETRY, 16, 16, 12, device) for _ in range(2))
+    try:
+        torch.manual_seed(2)
+        src.cpu_pool.copy_(torch.randn(src.cpu_pool.shape).to(src.cpu_pool.dtype))
+        dst.pool.fill_(1.0)
+        assert dst.load_from(src, [(3, 7), (4, 2), (9, 5)]) >= 0.0
+        for c, g in [(3, 7), (4, 2), (9, 5)]:
+            assert torch.equal(
+                dst.pool[g].cpu().view(torch.int16), src.cpu_pool[c].view(torch.int16)
+            )
+        untouched = [g for g in range(16) if g not in (7, 2, 5)]
+        assert bool((dst.pool[untouched] == 1.0).all())
+        other = DevicePools(KVGeometry(3, 1, 8, "bfloat16"), 16, 16, 12, "cpu")
+        with pytest.raises(ValueError, match="different geometries"):
+            dst.load_from(other, [(0, 0)])
+        other.close()
+    finally:
+        src.close()
+        dst.close()
+
+
 def tier_round_trip(pools: DevicePools, write_back: int) -> None:
     """A computed prompt is evicted from the GPU (demoted to the CPU tier, ahead of time when
     ``write_back``, else at eviction) while other content overwrites its blocks; the same

@@ -13,9 +13,10 @@ block of either tier holds its key's bytes; every running request finds its comp
 its slots; the host's queue per pool is the requests routed there and not yet admitted.
 
 At an admission the test looks up the prompt in every pool first and knows what the host must
-do: copy exactly the chain positions that the destination lacks and the longest GPU run of
-another pool holds (``always``; ``auto`` as priced; ``never`` never), and then the admission hits
-exactly that run and what the destination holds after it.
+do: copy exactly the chain positions that the destination lacks and the longest run of another
+pool holds in its two tiers (``always``; ``auto`` as priced; ``never`` never), each from that
+pool's GPU where it holds it there, else from its CPU tier, and then the admission hits exactly
+that run and what the destination holds after it.
 
 This machine found three defects of ``Host._bring`` (kvstore/host.py), since fixed; the exact
 tests at the end reproduce each: a copy run before the demotions its own allocation queued, a
@@ -105,7 +106,8 @@ class Admission:
     room: int  # the host's count: available blocks less the watermark
     idle_own: int  # of them, blocks of the destination's own GPU run (ref 0)
     needed: int  # blocks the admission takes beyond the destination's GPU run
-    copies: list[tuple[int, int, list[tuple[int, int]]]] = field(default_factory=list)
+    copies: list[tuple[int, int, list[tuple[int, int]], p.Tier]] = field(default_factory=list)
+    copied: dict[int, p.Tier] = field(default_factory=dict)  # chain position -> source tier
     own_evicted: bool = False  # a receive evicted a block of the destination's own chain
 
     @property
@@ -114,8 +116,8 @@ class Admission:
 
     @property
     def best(self) -> int:
-        """The longest GPU run another pool holds."""
-        return max(h.gpu_run for i, h in enumerate(self.hits) if i != self.pool)
+        """The longest run another pool holds in its two tiers."""
+        return max(len(h.gpu) for i, h in enumerate(self.hits) if i != self.pool)
 
     def positions(self) -> list[int]:
         """What a copy brings: the positions of the best run no GPU block here holds."""
@@ -193,28 +195,36 @@ class HostMachine(RuleBasedStateMachine):
     def clock(self) -> float:
         return self.now
 
-    def copier(self, src: int, dst: int, pairs: list[tuple[int, int]]) -> float:
-        """The copy between pools, checked against what the test knew before the step."""
+    def copier(self, src: int, dst: int, pairs: list[tuple[int, int]], tier: p.Tier) -> float:
+        """The copy between pools, checked against what the test knew before the step: each
+        source block holds its key (in ``tier``; from the CPU tier only what the source's GPU
+        does not hold) and its bytes."""
         a = self.admission
         assert a is not None and self.MODE != "never", "a copy outside an admission"
         assert dst == a.pool and src != dst and pairs
-        assert a.hits[src].gpu_run == a.best, "the copy's source is not the longest GPU run"
+        assert len(a.hits[src].gpu) == a.best, "the copy's source is not the longest run"
+        assert all(tier != t for _, _, _, t in a.copies), "two copies from one tier"
         m_src, m_dst = self.host.managers[src], self.host.managers[dst]
-        expected = sorted(a.keys[i] for i in a.positions())
-        got = []
+        on_cpu = {b for b in a.hits[src].cpu if b is not None}
         for s, d in pairs:
             key = m_dst.index.key_of_block(d)
-            assert key is not None and m_src.index.key_of_block(s) == key, (s, d)
+            if tier == "gpu":
+                assert key is not None and m_src.index.key_of_block(s) == key, (s, d)
+                assert self.shadow.gpu[src][s] == self.expected(key), f"source block {s} bytes"
+            else:
+                assert s in on_cpu, f"CPU block {s} is not in the source's lookup"
+                assert key is not None and m_src.index.key_of_cpu_block(s) == key, (s, d)
+                assert self.shadow.cpu[src][s] == self.expected(key), f"source CPU {s} bytes"
             assert m_dst.pool.ref_counts[d] == 1, f"received block {d} is not fresh"
-            assert self.shadow.gpu[src][s] == self.expected(key), f"source block {s} bytes"
-            got.append(key)
-        assert sorted(got) == expected, "the copy is not the destination's missing positions"
+            assert a.keys.index(key) not in a.copied, f"position {a.keys.index(key)} copied twice"
+            a.copied[a.keys.index(key)] = tier
+        source = self.shadow.gpu[src] if tier == "gpu" else self.shadow.cpu[src]
         for s, d in pairs:
-            self.shadow.gpu[dst][d] = list(self.shadow.gpu[src][s])
+            self.shadow.gpu[dst][d] = list(source[s])
         for i, block in enumerate(a.held):
             if block is not None and m_dst.index.key_of_block(block) != a.keys[i]:
                 a.own_evicted = True
-        a.copies.append((src, dst, list(pairs)))
+        a.copies.append((src, dst, list(pairs), tier))
         return 1e-5
 
     def expected(self, key: bytes) -> list[Slot]:
@@ -324,22 +334,24 @@ class HostMachine(RuleBasedStateMachine):
         tokens, salt = self.prompt(data)
         req_id = self._new_id()
         self._know(tokens, salt)
-        runs = [h.gpu_run for h in self._lookups(tokens, salt)]
+        found = self._lookups(tokens, salt)
+        runs, helds = [h.gpu_run for h in found], [len(h.gpu) for h in found]
         lookups = [m.index.lookups for m in self.host.managers]
         reply = self.host.handle(p.Route([p.RouteItem(req_id, tokens, salt)], policy))
         assert isinstance(reply, p.Routed)
         [item] = reply.items
         assert [m.index.lookups for m in self.host.managers] == lookups, "routing counted"
         assert 0 <= item.pool < len(runs)
-        bs, here, best = self.bs, runs[item.pool], max(runs)
+        bs, here, best, held = self.bs, runs[item.pool], max(runs), max(helds)
         expected = {
-            "cached": (here * bs, here == best > 0),
-            "none": (0, best == 0),
+            "cached": (here * bs, here == best == held > 0),
+            "none": (0, held == 0),
             "copy": (best * bs, here < best),
-            "recompute": (here * bs, here < best),
+            "load": (held * bs, best < held),
+            "recompute": (here * bs, here < held),
         }
         cached, consistent = expected[item.bring]
-        assert consistent and item.cached_tokens == cached, (item, runs)
+        assert consistent and item.cached_tokens == cached, (item, runs, helds)
         assert len(item.predicted_s) == (0 if policy == "round_robin" else len(runs))
         if policy != "round_robin" and any(self.alive):
             assert self.alive[item.pool], "routed to a pool without a live worker"
@@ -372,6 +384,21 @@ class HostMachine(RuleBasedStateMachine):
         index), then ended, or left running: what later admissions elsewhere copy."""
         tokens, salt = self.prompt(data)
         pool = data.draw(st.sampled_from(self._live()), label="pool")
+        self._serve(pool, tokens, salt, keep)
+
+    @precondition(lambda self: any(self.alive))
+    @rule(data=st.data())
+    def flood(self, data: st.DataObject) -> None:
+        """A prompt of fresh tokens as long as a pool has room for, served and ended: it evicts
+        the pool's cached prefixes (into its CPU tier, where it has one), which admissions on
+        the other pools then load from there."""
+        pool = data.draw(st.sampled_from(self._live()), label="pool")
+        m = self.host.managers[pool]
+        room = m.pool.num_available - m.watermark_blocks
+        if room >= 2:
+            self._serve(pool, [4 + self.next_id % 64] * ((room - 1) * self.bs), None, False)
+
+    def _serve(self, pool: int, tokens: list[int], salt: bytes | None, keep: bool) -> None:
         req_id = self._new_id()
         if not self._admit(pool, req_id, tokens, salt, True):
             return
@@ -407,7 +434,7 @@ class HostMachine(RuleBasedStateMachine):
         finally:
             self.admission = None
         self._check_admission(a, reuse, reply)
-        for _, _, pairs in a.copies:  # held by the request or cached, never free
+        for _, _, pairs, _ in a.copies:  # held by the request or cached, never free
             for _, d in pairs:
                 assert m.pool.ref_counts[d] > 0 or m.pool.cached[d], f"received {d} is free"
         event(f"admission: {'copied' if a.copies else 'no copy'}{', refused' * bool(reply.errors)}")
@@ -418,7 +445,12 @@ class HostMachine(RuleBasedStateMachine):
         bs, here = self.bs, a.here
         copyable = reuse and a.best > len(here.gpu)
         if a.copies:
-            assert copyable and a.room >= a.needed and len(a.copies) == 1
+            assert copyable and a.room >= a.needed and len({c[0] for c in a.copies}) == 1
+            src = a.copies[0][0]
+            assert sorted(a.copied) == a.positions(), "the copy is not the missing positions"
+            event(f"copied from the source's {'+'.join(sorted(set(a.copied.values())))}")
+            for i, tier in a.copied.items():  # a block on the source's GPU comes from there
+                assert tier == ("gpu" if a.hits[src].gpu[i] is not None else "cpu"), (i, tier)
         elif self.MODE == "always" and copyable:  # only for want of room
             assert a.room - a.idle_own < a.needed, "no copy, though --peer-copy always"
         if reply.errors:
@@ -616,15 +648,16 @@ class ShadowHost:
             )
             for i, n in enumerate(gpu)
         ]
-        self.copies: list[tuple[int, int, list[tuple[int, int]]]] = []
+        self.copies: list[tuple[int, int, list[tuple[int, int]], p.Tier]] = []
         self.host = Host(services, [f"cpu:{i}" for i in range(len(gpu))], self.copy, None, mode)
         for i in range(len(gpu)):
             assert isinstance(self.host.handle(p.Register(f"w{i}", pool=i)), p.Registered)
 
-    def copy(self, src: int, dst: int, pairs: list[tuple[int, int]]) -> float:
-        self.copies.append((src, dst, list(pairs)))
+    def copy(self, src: int, dst: int, pairs: list[tuple[int, int]], tier: p.Tier) -> float:
+        self.copies.append((src, dst, list(pairs), tier))
+        source = self.shadow.gpu[src] if tier == "gpu" else self.shadow.cpu[src]
         for s, d in pairs:
-            self.shadow.gpu[dst][d] = list(self.shadow.gpu[src][s])
+            self.shadow.gpu[dst][d] = list(source[s])
         return 1e-5
 
     def step(self, pool: int, body: p.Step) -> p.StepReply:
@@ -662,7 +695,7 @@ def test_a_demotion_saves_a_block_evicted_by_a_peer_copy() -> None:
     m = h.host.managers[1]
     assert (m.pool.lru_order(), m.pool.num_free) == ([0, 1], 0)
     [placed] = h.admit(1, "b", [1] * 5).admitted
-    assert h.copies == [(0, 1, [(0, 0)])] and placed.num_computed == 4
+    assert h.copies == [(0, 1, [(0, 0)], "gpu")] and placed.num_computed == 4
     nines = [9] * 8
     demoted = {m.index.key_of_cpu_block(c): c for c in m.index.demoted_blocks()}
     keys, _ = chain(nines, None, 4)
@@ -689,7 +722,7 @@ def test_a_peer_copy_keeps_the_destinations_own_prefix(mode: PeerCopyMode) -> No
     if mode == "never":
         assert not h.copies and [a.num_computed for a in reply.admitted] == [4]
         return
-    assert [(src, dst, len(pairs)) for src, dst, pairs in h.copies] == [(0, 1, 1)]
+    assert [(src, dst, len(pairs)) for src, dst, pairs, _ in h.copies] == [(0, 1, 1)]
     assert m.index.key_of_block(0) == chain([1] * 4, None, 4)[0][0]  # not evicted
     assert [a.num_computed for a in reply.admitted] == [8]
 
@@ -709,5 +742,35 @@ def test_a_peer_copy_of_a_chain_whose_later_blocks_the_destination_holds() -> No
     h.serve(0, "a", x)
     h.copies.clear()
     reply = h.admit(1, "b", x)
-    assert [(src, dst, len(pairs)) for src, dst, pairs in h.copies] == [(0, 1, 1)]
+    assert [(src, dst, len(pairs)) for src, dst, pairs, _ in h.copies] == [(0, 1, 1)]
     assert [a.num_computed for a in reply.admitted] == [8]
+
+
+@pytest.mark.parametrize("mode", ["never", "always"])
+def test_a_prefix_only_another_pools_cpu_tier_holds_is_loaded_from_it(mode: PeerCopyMode) -> None:
+    """Pool 0 (3 blocks, a CPU tier): x = [1] * 8 + [0] served, then y = [2] * 9 evicts x's two
+    cached blocks, demoted at eviction into CPU blocks 0 and 1. Pool 1 admits x: with copies
+    allowed, both blocks are loaded from pool 0's CPU tier, with x's bytes, and hit."""
+    h = ShadowHost([3, 8], cpu=4, tier=True, mode=mode)
+    x = [1] * 8 + [0]
+    h.serve(0, "x", x)
+    h.serve(0, "y", [2] * 9)
+    m0, m1 = h.host.managers
+    keys, _ = chain(x, None, 4)
+    assert [m0.index.key_of_cpu_block(c) for c in (0, 1)] == keys[:2]
+    assert all(m0.index.entry(k).block is None for k in keys[:2])  # type: ignore[union-attr]
+    reply = h.admit(1, "b", x)
+    if mode == "never":
+        assert not h.copies and [a.num_computed for a in reply.admitted] == [0]
+        return
+    [placed] = reply.admitted
+    assert placed.num_computed == 8
+    [(src, dst, pairs, tier)] = h.copies
+    assert (src, dst, tier) == (0, 1, "cpu") and [c for c, _ in pairs] == [0, 1]
+    blocks = m1.requests["b"].block_ids[:2]
+    assert [d for _, d in pairs] == blocks
+    assert [m1.index.key_of_block(b) for b in blocks] == keys[:2]
+    assert h.shadow.gpu[1][blocks[1]] == [slot(None, x, i) for i in range(4, 8)]
+    stats = h.host.handle(p.GetStats())
+    assert isinstance(stats, p.Stats)
+    assert (stats.pools[1].copied_in_blocks, stats.pools[1].loaded_in_blocks) == (2, 2)

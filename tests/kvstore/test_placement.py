@@ -126,15 +126,35 @@ def test_on_full_pools_a_prefix_is_copied_only_once_waiting_costs_what_the_copy_
 
 def test_bring_copies_when_cheaper_than_recomputing() -> None:
     idle = view(1)
-    assert bring(idle, 2, 40, BS, PRICES) == (16.0, "copy", 32)  # 4 + 2 x 2 + 8 < 40
+    assert bring(idle, 2, 2, 40, BS, PRICES) == (16.0, "copy", 32)  # 4 + 2 x 2 + 8 < 40
     dear = Prices(1.0, 100.0, 2.0)
-    assert bring(idle, 2, 40, BS, dear) == (40.0, "recompute", 0)  # 100 + 4 + 8 > 40
+    assert bring(idle, 2, 2, 40, BS, dear) == (40.0, "recompute", 0)  # 100 + 4 + 8 > 40
     equal = Prices(1.0, 28.0, 2.0)  # 28 + 4 + 8 == 40: the copy must be strictly cheaper
-    assert bring(idle, 2, 40, BS, equal) == (40.0, "recompute", 0)
+    assert bring(idle, 2, 2, 40, BS, equal) == (40.0, "recompute", 0)
     # a pool holding part of the prefix copies the difference only
-    assert bring(view(1, cached=1), 2, 40, BS, PRICES) == (4.0 + 2.0 + 8.0, "copy", 32)
-    assert bring(view(1, cached=2), 2, 40, BS, PRICES) == (8.0, "cached", 32)
-    assert bring(view(1), 0, 40, BS, PRICES) == (40.0, "none", 0)
+    assert bring(view(1, cached=1), 2, 2, 40, BS, PRICES) == (4.0 + 2.0 + 8.0, "copy", 32)
+    assert bring(view(1, cached=2), 2, 2, 40, BS, PRICES) == (8.0, "cached", 32)
+    assert bring(view(1), 0, 0, 40, BS, PRICES) == (40.0, "none", 0)
+
+
+def test_bring_loads_what_a_cpu_tier_holds_beyond_every_gpu() -> None:
+    # loads: 1 s + 3 s a block. 40 tokens; the best GPU run elsewhere 1 block, a CPU tier
+    # carries the chain to 2 blocks
+    loads = Prices(1.0, 4.0, 2.0, load_fixed_s=1.0, load_s_per_block=3.0)
+    idle = view(1)
+    assert bring(idle, 1, 2, 40, BS, loads) == (1.0 + 2 * 3.0 + 8.0, "load", 32)  # < 6 + 24
+    # from a pool caching block 0, only block 1 is loaded
+    assert bring(view(1, cached=1), 1, 2, 40, BS, loads) == (1.0 + 3.0 + 8.0, "load", 32)
+    dear = Prices(1.0, 4.0, 2.0, load_fixed_s=20.0, load_s_per_block=3.0)
+    assert bring(idle, 1, 2, 40, BS, dear) == (6.0 + 24.0, "copy", 16)  # 26 + 8 > 30
+    # no load price: never loaded; something better was there, so it is a recompute
+    assert bring(view(1, cached=1), 1, 2, 40, BS, PRICES) == (24.0, "recompute", 16)
+    # the pool's own CPU tier carries its chain on: a load too
+    own = PoolView(0, 1, ROOMY, 0, 0, held_blocks=2)
+    assert own.held == 2 and view(0, cached=1).held == 1
+    placed = choose_pool([own, view(1)], 40, BS, loads, "prefix", 0)
+    assert (placed.pool, placed.bring, placed.cached_tokens) == (0, "load", 32)
+    assert placed.predicted_s == (1.0 + 3.0 + 8.0, 1.0 + 2 * 3.0 + 8.0)
 
 
 def test_a_pool_without_room_is_avoided_unless_no_pool_has_room() -> None:
@@ -215,7 +235,8 @@ class Copies:
     def __init__(self) -> None:
         self.calls: list[tuple[int, int, list[tuple[int, int]]]] = []
 
-    def __call__(self, src: int, dst: int, pairs: list[tuple[int, int]]) -> float:
+    def __call__(self, src: int, dst: int, pairs: list[tuple[int, int]], tier: p.Tier) -> float:
+        assert tier == "gpu", "these pools have no CPU tier"
         self.calls.append((src, dst, list(pairs)))
         return 1e-6
 
