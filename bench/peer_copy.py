@@ -12,7 +12,12 @@ the wait) and ``GPU ms`` the kernel alone (``push``/``pull``: CUDA events around
 ``copy_blocks_between`` launch, ids already on the GPU), each against the 256 MiB copy timed the
 same way.
 
-    python bench/peer_copy.py --shape 8b [--sizes 1,4,16,64,256,1024] [--routes push,pull,staged]
+``cpu`` (in ``--routes``) times the other path between pools: pool 0's CPU-tier blocks loaded
+into pool 1's GPU (``PeerCopier.copy(..., tier="cpu")``, a prefix one GPU demoted serving a
+request on the other), against pool 1 loading as many blocks from its own CPU tier (a swap-in).
+
+    python bench/peer_copy.py --shape 8b [--sizes 1,4,16,64,256,1024]
+        [--routes push,pull,staged,cpu]
 """
 
 from __future__ import annotations
@@ -86,11 +91,13 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(GEOMETRY), default="8b")
     parser.add_argument("--sizes", default="1,4,16,64,256,1024")
     parser.add_argument("--blocks", type=int, default=4096)
-    parser.add_argument("--routes", default="push,pull,staged")
+    parser.add_argument("--routes", default="push,pull,staged,cpu")
     args = parser.parse_args()
     geometry = GEOMETRY[args.shape]
-    src = DevicePools(geometry, 16, args.blocks, 0, "cuda:0")
-    dst = DevicePools(geometry, 16, args.blocks, 0, "cuda:1")
+    sizes = [int(x) for x in args.sizes.split(",")]
+    cpu_blocks = max(sizes) if "cpu" in args.routes else 0
+    src = DevicePools(geometry, 16, args.blocks, cpu_blocks, "cuda:0")
+    dst = DevicePools(geometry, 16, args.blocks, cpu_blocks, "cuda:1")
     copier = PeerCopier([src, dst])
     src.pool.view(torch.int16).random_()  # random bits: every copy is checked bit for bit
     ceiling, gpu_ceiling = contiguous_gbps(src.device, dst.device)
@@ -105,7 +112,7 @@ def main() -> None:
     routes: list[CopyRoute] = [r for r in ("push", "pull", "staged") if r in args.routes]
     for route in routes:
         gen = torch.Generator().manual_seed(0)
-        for n in (int(x) for x in args.sizes.split(",")):
+        for n in sizes:
             pairs = random_pairs(args.blocks, args.blocks, n, gen)
             copier.copy(0, 1, pairs, route)
             seconds = statistics.median(copier.copy(0, 1, pairs, route) for _ in range(5))
@@ -122,8 +129,35 @@ def main() -> None:
                 f"| {route} | {n} | {mib:.1f} | {seconds * 1e3:.3f} | {gbps:.0f} "
                 f"| {gbps / ceiling:.2f} |{gpu or ' | |'}"
             )
+    if cpu_blocks:
+        cpu_tier_loads(copier, sizes, args.blocks)
     price = copier.calibrate()
     print(f"the kvstore's calibration: route {copier.route}, {price}")
+
+
+def cpu_tier_loads(copier: PeerCopier, sizes: list[int], gpu_blocks: int) -> None:
+    """Pool 0's CPU-tier blocks into pool 1's GPU, against pool 1's own swap-in of as many."""
+    src, dst = copier.pools
+    src.cpu_pool.view(torch.int16).random_()
+    dst.cpu_pool.view(torch.int16).random_()
+    print(
+        "\n| CPU-tier blocks | MiB | from cuda:0's tier, ms | GB/s | own tier (swap-in), ms "
+        "| GB/s |\n|---|---|---|---|---|---|"
+    )
+    gen = torch.Generator().manual_seed(1)
+    for n in sizes:
+        pairs = random_pairs(len(src.cpu_pool), gpu_blocks, n, gen)
+        copier.copy(0, 1, pairs, tier="cpu")
+        seconds = statistics.median(copier.copy(0, 1, pairs, tier="cpu") for _ in range(5))
+        want = src.cpu_pool[[c for c, _ in pairs]].view(torch.int16).to(dst.device)
+        assert torch.equal(dst.pool[[g for _, g in pairs]].view(torch.int16), want)
+        dst.swap_in(pairs)
+        own = statistics.median(dst.swap_in(pairs) for _ in range(5))
+        nbytes = n * src.block_bytes
+        print(
+            f"| {n} | {nbytes / 2**20:.1f} | {seconds * 1e3:.3f} | {nbytes / seconds / 1e9:.1f} "
+            f"| {own * 1e3:.3f} | {nbytes / own / 1e9:.1f} |"
+        )
 
 
 if __name__ == "__main__":

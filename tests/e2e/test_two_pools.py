@@ -129,6 +129,7 @@ def test_the_admin_page_shows_each_pools_block_map(
     options = browser.find_elements(By.CSS_SELECTOR, "#pool-select option")
     assert [o.get_attribute("value") for o in options] == ["0", "1"]
     assert "pool 1 · cpu" in options[1].text and "worker(s)" in options[1].text, options[1].text
+    assert "from other pools' CPU tiers" in options[1].text, options[1].text
     wait_for("pool 0's map", lambda: gpu_map(browser).get("cached") == cached[0])
     requested_urls(browser)  # from here on
     Select(browser.find_element(By.ID, "pool-select")).select_by_value("1")

@@ -20,7 +20,8 @@ window.PagedservePools = (() => {
       while (this.select.options.length > rows.length) this.select.remove(this.select.options.length - 1);
       rows.forEach((row, i) => {
         const text = `pool ${row.pool} · ${row.device} · ${row.workers.length} worker(s), ` +
-          `${row.running} running, ${row.queued} queued, ${row.copied_in_blocks} blocks copied in`;
+          `${row.running} running, ${row.queued} queued, ${row.copied_in_blocks} blocks copied in ` +
+          `(${row.loaded_in_blocks || 0} from other pools' CPU tiers)`;
         if (i >= this.select.options.length) this.select.add(new Option(text, String(row.pool)));
         else this.select.options[i].text = text;
       });
