@@ -86,9 +86,9 @@ class KVStoreConfig:
     )
     peer_copy: str = flag(
         "auto",
-        "with several pools, a prefix another pool caches is copied into the pool of the "
-        "request that wants it ('auto': when the cost model prices the copy below recomputing "
-        "it; 'always'; 'never')",
+        "with several pools, a prefix another pool caches (on its GPU, or only in its CPU "
+        "tier) is copied into the pool of the request that wants it ('auto': when the cost "
+        "model prices the copy below recomputing it; 'always'; 'never')",
         choices=["auto", "always", "never"],
     )
     log_level: str = options.log_level()
