@@ -10,7 +10,6 @@ SIGTERM. ``UpConfig`` is its flags (``pagedserve.cli`` turns it into ``pagedserv
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import secrets
@@ -30,6 +29,7 @@ from contracts.options import flag
 from contracts.queue_keys import check_node
 from gateway.config import ADMIN_TOKEN_ENV, GatewayConfig
 from gateway.metrics import MULTIPROC_ENV
+from pagedserve.preflight import check_endpoint_free, check_port_free
 from pagedserve.procs import spawn_process
 from pagedserve.supervisor import (
     ChildSpec,
@@ -177,8 +177,8 @@ def run_up(config: UpConfig) -> None:
         raise SystemExit(f"pagedserve up: {err}") from None
     if config.gateways < 0:
         raise SystemExit(f"pagedserve up: --gateways {config.gateways}: 0 (auto) or more")
-    _check_port_free(config.host, config.port)
-    _check_endpoint_free(config.kvstore_endpoint())
+    check_port_free(config.host, config.port)
+    check_endpoint_free(config.kvstore_endpoint())
     from pagedserve.convert import convert_before_start
 
     convert_before_start(config.model)
@@ -317,37 +317,6 @@ def pool_gpus(device: str, pool: int, pools: int, ranks: int, env: Mapping[str, 
     visible = [g.strip() for g in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
     mine = range(pool * ranks, pool * ranks + ranks)
     return ",".join(visible[i] if i < len(visible) else str(i) for i in mine)
-
-
-def _check_port_free(host: str, port: int) -> None:
-    """Exits with one line if the gateway could not listen on ``host:port`` (before anything
-    is started)."""
-    try:
-        addresses = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM)
-    except socket.gaierror as err:
-        raise SystemExit(f"pagedserve up: --host {host}: {err}") from None
-    for family, kind, proto, _, address in addresses:
-        with socket.socket(family, kind, proto) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as aiohttp does
-            try:
-                sock.bind(address)
-            except OSError as err:
-                if err.errno == errno.EADDRINUSE:
-                    raise SystemExit(
-                        f"pagedserve up: port {port} on {host} is in use; pass --port"
-                    ) from None
-                raise SystemExit(f"pagedserve up: cannot listen on {host}:{port}: {err}") from None
-
-
-def _check_endpoint_free(endpoint: str) -> None:
-    """Exits with one line if a kvstore (or anything) already listens at the kvstore's
-    ``endpoint`` (before anything is started)."""
-    from contracts.endpoints import env_token
-    from kvstore.security import endpoint_in_use
-
-    taken = endpoint_in_use(endpoint, env_token())
-    if taken is not None:
-        raise SystemExit(f"pagedserve up: {taken}; stop it or pass another --endpoint")
 
 
 def _note_earlier_redis_dir(config: UpConfig) -> None:
