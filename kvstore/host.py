@@ -265,7 +265,6 @@ class Host:
             dst.pool.release(own)
             raise
         self.services[pool].run_pending()  # what receiving evicted is demoted before the copy
-        self.services[source].run_pending()  # (nothing queued: it ran before its last reply)
         pairs: dict[p.Tier, list[tuple[int, int]]] = {"gpu": [], "cpu": []}
         for i, block in zip(positions, blocks, strict=True):
             on_gpu, on_cpu = hits[source].gpu[i], hits[source].cpu[i]

@@ -26,6 +26,7 @@ peer copies and its calibrated CPU-tier loads.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from kvstore.protocol import Bring, RoutingPolicy
@@ -67,12 +68,12 @@ class Prices:
     """``prefill_s_per_token``: a pool's prefill cost per token; ``copy_fixed_s`` and
     ``copy_s_per_block``: a batched copy of blocks from one pool's GPU to another's;
     ``load_fixed_s`` and ``load_s_per_block``: a batched load of CPU-tier blocks into a GPU
-    (None: as dear as a recompute, so never chosen)."""
+    (unpriced: infinite, so never chosen)."""
 
     prefill_s_per_token: float
     copy_fixed_s: float
     copy_s_per_block: float
-    load_fixed_s: float | None = None
+    load_fixed_s: float = math.inf
     load_s_per_block: float = 0.0
 
     def prefill_s(self, tokens: int) -> float:
@@ -81,14 +82,8 @@ class Prices:
     def copy_s(self, blocks: int) -> float:
         return self.copy_fixed_s + blocks * self.copy_s_per_block if blocks > 0 else 0.0
 
-    def load_s(self, blocks: int) -> float | None:
-        if blocks <= 0:
-            return 0.0
-        return (
-            None
-            if self.load_fixed_s is None
-            else self.load_fixed_s + blocks * self.load_s_per_block
-        )
+    def load_s(self, blocks: int) -> float:
+        return self.load_fixed_s + blocks * self.load_s_per_block if blocks > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -136,10 +131,9 @@ def bring(
     if best_blocks > here:
         rest = prices.prefill_s(num_tokens - best_blocks * block_size)
         options.append((prices.copy_s(best_blocks - here) + rest, "copy", best_blocks))
-    load = prices.load_s(best_held - here)
-    if best_held > max(best_blocks, here) and load is not None:
+    if best_held > max(best_blocks, here):
         rest = prices.prefill_s(num_tokens - best_held * block_size)
-        options.append((load + rest, "load", best_held))
+        options.append((prices.load_s(best_held - here) + rest, "load", best_held))
     seconds, how, blocks = min(options, key=lambda option: option[0])
     if best_held <= here:  # nothing better anywhere
         how = "cached" if here else "none"

@@ -147,7 +147,7 @@ def test_bring_loads_what_a_cpu_tier_holds_beyond_every_gpu() -> None:
     assert bring(view(1, cached=1), 1, 2, 40, BS, loads) == (1.0 + 3.0 + 8.0, "load", 32)
     dear = Prices(1.0, 4.0, 2.0, load_fixed_s=20.0, load_s_per_block=3.0)
     assert bring(idle, 1, 2, 40, BS, dear) == (6.0 + 24.0, "copy", 16)  # 26 + 8 > 30
-    # no load price: never loaded; something better was there, so it is a recompute
+    # no load price (infinite): never loaded; something better was there, so it is a recompute
     assert bring(view(1, cached=1), 1, 2, 40, BS, PRICES) == (24.0, "recompute", 16)
     # the pool's own CPU tier carries its chain on: a load too
     own = PoolView(0, 1, ROOMY, 0, 0, held_blocks=2)
