@@ -1,19 +1,20 @@
-"""Two GPUs behind one endpoint, over HTTP with `pagedserve bench`, against one GPU and against
-what a user does today (two independent one-GPU stacks behind a round-robin proxy), on the
-random burst of ``bench/http_serve.py`` (chat, prompts 64-1024 tokens, ``max_tokens`` 32-512,
-greedy, ``ignore_eos``), one run each, in one lease:
+"""N GPUs behind one endpoint, over HTTP with `pagedserve bench`, against one GPU and against
+what a user does today (N independent one-GPU stacks behind a round-robin proxy), on the random
+burst of ``bench/http_serve.py`` (chat, prompts 64-1024 tokens, ``max_tokens`` 32-512, greedy,
+``ignore_eos``), one run each, in one lease (``--gpus N``, 2 by default):
 
-- ``one GPU``: ``pagedserve up`` on GPU 0 (``CUDA_VISIBLE_DEVICES=0``);
-- ``two GPUs, one endpoint``: ``pagedserve up --data-parallel-size 2`` (one kvstore owning both
-  pools, a worker per GPU, the gateway routing each request, ``--routing`` as given);
-- ``two stacks + proxy``: two ``pagedserve up`` (GPU 0 and GPU 1) and
-  ``bench/round_robin_proxy.py`` in front, the same client driving the proxy.
+- ``one``: ``pagedserve up`` on GPU 0 (``CUDA_VISIBLE_DEVICES=0``);
+- ``dp`` (or ``dp:POLICY``; ``two`` is its old name): ``pagedserve up --data-parallel-size N``
+  (one kvstore owning every pool, a worker per GPU, the gateway routing each request,
+  ``--routing`` as given);
+- ``stacks`` (``pair``): N ``pagedserve up`` (GPU 0 .. N-1) and ``bench/round_robin_proxy.py``
+  in front, the same client driving the proxy.
 
 Every server first gets 32 untimed warm-up requests (another seed). Each stack runs
 ``--gateways-per-gpu`` gateway processes per GPU (4; one gateway process streams ~20-30k tok/s
 of the 1B shape, so fewer would measure the gateways, not the GPUs).
 
-    python bench/multi_gpu.py --shape 1b --requests 1000 [--routing prefix] [--only one,two,pair]
+    python bench/multi_gpu.py --shape 1b --requests 1000 [--gpus 4] [--only one,dp,stacks]
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +88,17 @@ def proxy(upstreams: list[str]) -> Iterator[str]:
         yield f"http://127.0.0.1:{port}"
     finally:
         interrupt(process)
+
+
+def enter_together(stack: contextlib.ExitStack, managers: list[Any]) -> list[Any]:
+    """``managers`` entered at once (stacks start side by side, not one after another), each one
+    that entered left on ``stack``; the first failure raised once all tried."""
+    with ThreadPoolExecutor(len(managers)) as pool:
+        futures = [pool.submit(manager.__enter__) for manager in managers]
+    for manager, future in zip(managers, futures, strict=True):
+        if future.exception() is None:
+            stack.push(manager)
+    return [future.result() for future in futures]
 
 
 def timed(
@@ -182,13 +195,12 @@ def main() -> None:
     parser.add_argument("--shape", choices=["1b", "8b"], default="1b")
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--out", type=Path, default=Path("/tmp/pagedserve-multi-gpu"))
-    parser.add_argument(
-        "--routing", default="prefix", help="the two-GPU gateway's --routing for run `two`"
-    )
+    parser.add_argument("--gpus", type=int, default=2, help="GPUs of runs dp and stacks")
+    parser.add_argument("--routing", default="prefix", help="the gateway's --routing for run dp")
     parser.add_argument(
         "--only",
-        default="one,two,pair",
-        help="which runs, in order: one, two (or two:POLICY, e.g. two:round_robin), pair",
+        default="one,dp,stacks",
+        help="which runs, in order: one, dp (or dp:POLICY, e.g. dp:round_robin), stacks",
     )
     parser.add_argument(
         "--workload",
@@ -252,39 +264,39 @@ def main() -> None:
             ) as url:
                 results[run] = run_on(url, out, [url])
             name = "one GPU"
-        elif run.startswith("two"):
+        elif run.startswith(("dp", "two")):
             routing = run.partition(":")[2] or args.routing
-            up_args = ("--data-parallel-size", "2", f"--gateway-args=--routing {routing}")
-            gateways = 2 * args.gateways_per_gpu
+            up_args: tuple[str, ...] = ("--data-parallel-size", str(args.gpus))
+            up_args += (f"--gateway-args=--routing {routing}",)
+            gateways = args.gpus * args.gateways_per_gpu
             with pagedserve_up(
                 model,
-                args.out / "redis-two",
+                args.out / "redis-dp",
                 kvstore_args=kv_args,
                 gateways=gateways,
                 up_args=up_args,
             ) as url:
                 results[run] = run_on(url, out, [url])
-            name = f"two GPUs, one endpoint (--routing {routing})"
-        elif run == "pair":
+            name = f"{args.gpus} GPUs, one endpoint (--routing {routing})"
+        elif run in ("stacks", "pair"):
             with contextlib.ExitStack() as stack:
-                urls = [
-                    stack.enter_context(
-                        pagedserve_up(
-                            model,
-                            args.out / f"redis-pair{gpu}",
-                            kvstore_args=kv_args,
-                            gateways=args.gateways_per_gpu,
-                            env_extra={"CUDA_VISIBLE_DEVICES": str(gpu)},
-                        )
+                ups = [
+                    pagedserve_up(
+                        model,
+                        args.out / f"redis-stack{gpu}",
+                        kvstore_args=kv_args,
+                        gateways=args.gateways_per_gpu,
+                        env_extra={"CUDA_VISIBLE_DEVICES": str(gpu)},
                     )
-                    for gpu in (0, 1)
+                    for gpu in range(args.gpus)
                 ]
+                urls = enter_together(stack, ups)
                 results[run] = run_on(stack.enter_context(proxy(urls)), out, urls)
-            name = "two one-GPU stacks + round-robin proxy"
+            name = f"{args.gpus} one-GPU stacks + round-robin proxy"
         else:
             raise SystemExit(f"--only: unknown run {run!r}")
         rows.append(row(name, results[run]) + f" {results[run]['cached_fraction']:.3f} |")
-    for base_run in ("one", "two:round_robin"):
+    for base_run in ("one", "dp:round_robin", "two:round_robin"):
         if base_run in results:
             base = results[base_run]
             for run, result in results.items():

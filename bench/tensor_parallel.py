@@ -1,7 +1,8 @@
 """Tensor parallelism over HTTP with `pagedserve bench`: one GPU (``tp1``: ``pagedserve up`` on GPU
 0) against a worker group of two ranks on two GPUs (``tp2``: ``up --tensor-parallel-size 2``, one
 kvstore splitting each pool's KV heads over both GPUs; ``tp2-nccl``: the same with every
-all-reduce by NCCL), the same checkpoint and client, in one lease. Per server:
+all-reduce by NCCL; ``tp4``: four ranks; ``dp2xtp2``: two groups of two on four GPUs, one pool
+each, routed by the gateway), the same checkpoint and client, in one lease. Per server:
 
 - start-up: from ``pagedserve up`` to the gateway's first healthy answer;
 - 32 untimed warm-up requests;
@@ -15,8 +16,9 @@ then the ``--runs``:
   ``--max-num-seqs``, so its ITL is that of 256 concurrent requests);
 - ``sharegpt``: ``--requests`` of the ShareGPT-like length mix (``pagedserve bench --input-len``
   / ``--output-len`` lognormal, as ``pagedserve/bench_workloads.py`` draws them);
-- ``kill`` (TP > 1, ``--kill-rank-after S``): half the burst again, rank 1's process killed
-  (SIGKILL) S seconds in; every stream must complete (the group restarts, the requests resume).
+- ``kill`` (TP > 1, ``--kill-rank-after S``): half the burst again, rank 1's process (of every
+  group) killed (SIGKILL) S seconds in; every stream must complete (the group restarts, the
+  requests resume).
 
     python bench/tensor_parallel.py --shape 8b [--only tp1,tp2] [--runs c32,burst,kill]
     python bench/tensor_parallel.py --shape 70b --only tp2 --runs burst,sharegpt \\
@@ -29,6 +31,7 @@ import argparse
 import json
 import os
 import random
+import re
 import signal
 import sys
 import threading
@@ -106,11 +109,21 @@ def kill_rank(rank: int) -> None:
             print(f"killed rank {rank} (pid {entry.name})", flush=True)
 
 
+def server_shape(run: str) -> tuple[int, int]:
+    """``run``'s worker groups and their ranks: ``tpN`` (and ``tpN-nccl``) one group of N,
+    ``dpMxtpN`` M groups of N (one pool each, routed by the gateway)."""
+    match = re.fullmatch(r"(?:dp(\d+)x)?tp(\d+)(?:-nccl)?", run)
+    if match is None:
+        raise SystemExit(f"--only: unknown server {run!r} (tpN, tpN-nccl or dpMxtpN)")
+    return int(match.group(1) or 1), int(match.group(2))
+
+
 def serve_runs(args: argparse.Namespace, run: str, model_dir: Path) -> dict[str, Any]:
     """One server's start-up, warm-up, drift sample and timed runs."""
-    size = int(run.removeprefix("tp").removesuffix("-nccl"))
-    env = {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in range(size))}
-    up_args = ("--tensor-parallel-size", str(size)) if size > 1 else ()
+    groups, size = server_shape(run)
+    env = {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in range(groups * size))}
+    up_args: tuple[str, ...] = ("--tensor-parallel-size", str(size)) if size > 1 else ()
+    up_args += ("--data-parallel-size", str(groups)) if groups > 1 else ()
     out = args.out / f"{args.shape}-{run}"
     started = time.monotonic()
     with pagedserve_up(
@@ -127,7 +140,7 @@ def serve_runs(args: argparse.Namespace, run: str, model_dir: Path) -> dict[str,
         warm_up(url, model_dir.name, model_dir, out, ignore_eos=True)
         vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
         result["sample"] = greedy_sample(url, model_dir.name, args.drift_requests, vocab)
-        if size == 1 and args.drift_requests:  # bf16's own drift: other batches, other sums
+        if run == "tp1" and args.drift_requests:  # bf16's own drift: other batches, other sums
             again = greedy_sample(url, model_dir.name, args.drift_requests, vocab, threads=4)
             print(f"bf16 drift, tp1 at 4 requests at a time against 32: "
                   f"{drift(result['sample'], again)}", flush=True)  # fmt: skip
@@ -162,8 +175,8 @@ def main() -> None:
     parser.add_argument(
         "--only",
         default="tp1,tp2",
-        help="servers in order: tp1, tp2 (small all-reduces one-shot over NVLink), tp2-nccl "
-        "(all of them by NCCL)",
+        help="servers in order: tpN (a group of N ranks; small all-reduces one-shot over "
+        "NVLink), tpN-nccl (all of them by NCCL), dpMxtpN (M groups of N ranks on M*N GPUs)",
     )
     parser.add_argument("--requests", type=int, default=1000, help="the burst's")
     parser.add_argument(
