@@ -222,12 +222,16 @@ def timelines(url: str) -> dict[str, Any]:
 def timeline_delta(before: dict[str, Any], after: dict[str, Any]) -> str:
     """Steps, tokens, device and host ms per phase between two ``timelines`` (the engines
     send their totals about once a second: the last second of the run may be missing; an idle
-    engine's waits for requests are neither steps nor in a phase)."""
+    engine's waits for requests are neither steps nor in a phase; a worker restarted between
+    them counts from its restart)."""
     parts = []
     for worker, end in after.items():
-        start = before.get(worker) or {"steps": 0, "tokens": 0, "device_s": 0.0, "phase_s": {}}
+        zero: dict[str, Any] = {"steps": 0, "tokens": 0, "device_s": 0.0, "phase_s": {}}
+        start = before.get(worker) or zero
         if not end:
             continue
+        if end["steps"] < start["steps"]:  # restarted meanwhile: its totals began again
+            start = zero
         steps = end["steps"] - start["steps"]
         phases = {
             k: round((v - start["phase_s"].get(k, 0.0)) * 1e3) for k, v in end["phase_s"].items()
@@ -238,6 +242,19 @@ def timeline_delta(before: dict[str, Any], after: dict[str, Any]) -> str:
             f"{worker}: {steps} steps, {tokens} tokens, device {device_ms} ms, host ms {phases}"
         )
     return "; ".join(parts)
+
+
+def kvstore_busy(url: str) -> dict[str, float]:
+    """The kvstore daemon's busy seconds so far, by activity (``/admin/cache``)."""
+    busy: dict[str, float] = admin(url, "/admin/cache?top=0")["kvstore_busy_s"]
+    return busy
+
+
+def busy_delta(before: dict[str, float], after: dict[str, float], wall_s: float) -> str:
+    """The daemon's busy seconds between two ``kvstore_busy`` per second of ``wall_s``, by
+    activity, largest first: a share near 1 is a daemon the workers wait for."""
+    shares = {k: (v - before.get(k, 0.0)) / wall_s for k, v in after.items()}
+    return ", ".join(f"{k} {v:.3f}" for k, v in sorted(shares.items(), key=lambda kv: -kv[1]))
 
 
 def reset_prefix_cache(url: str) -> None:

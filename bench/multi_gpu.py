@@ -36,6 +36,8 @@ sys.path.insert(0, str(ROOT))
 from bench.http_serve import (  # noqa: E402
     TIMELINE_WAIT_S,
     bench,
+    busy_delta,
+    kvstore_busy,
     pagedserve_up,
     row,
     timeline_delta,
@@ -114,6 +116,7 @@ def timed(
     stacks' own URLs, whose admin API the token of ``pagedserve_up`` opens)."""
     warm_up(url, model_dir.name, model_dir, out, ignore_eos=True)
     before = [timelines(u) for u in admin_urls]
+    busy_before = [kvstore_busy(u) for u in admin_urls]
     cpu_before, start = cpu_seconds(), time.monotonic()
     result = bench(
         url,
@@ -131,6 +134,8 @@ def timed(
         f"{out.stem} CPU cores busy over the run: "
         + ", ".join(f"{k} {v:.2f}" for k, v in busy.items())
     )
+    for b, u in zip(busy_before, admin_urls, strict=True):
+        print(f"{out.stem} kvstore {u} busy, s/s: {busy_delta(b, kvstore_busy(u), wall)}")
     time.sleep(TIMELINE_WAIT_S)
     steps = [timeline_delta(b, timelines(u)) for b, u in zip(before, admin_urls, strict=True)]
     print(f"{out.stem}: {result['output_tok_s']:.0f} out tok/s; GPU {result['gpu']}", flush=True)

@@ -47,6 +47,8 @@ sys.path.insert(0, str(ROOT))
 from bench.http_serve import (  # noqa: E402
     TIMELINE_WAIT_S,
     bench,
+    busy_delta,
+    kvstore_busy,
     pagedserve_up,
     row,
     timeline_delta,
@@ -156,9 +158,11 @@ def serve_runs(args: argparse.Namespace, run: str, model_dir: Path) -> dict[str,
                 requests //= 2
                 killer = threading.Timer(args.kill_rank_after, kill_rank, (1,))
                 killer.start()
-            before = timelines(url)
+            before, busy_before, start = timelines(url), kvstore_busy(url), time.monotonic()
             path = out.with_suffix(f".{name}.json")
             timed = bench(url, model_dir.name, model_dir, requests, path, True, workload=flags)
+            busy = busy_delta(busy_before, kvstore_busy(url), time.monotonic() - start)
+            print(f"{run} {name} kvstore busy, s/s: {busy}", flush=True)
             if killer is not None:
                 killer.cancel()
             time.sleep(TIMELINE_WAIT_S)

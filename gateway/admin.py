@@ -121,6 +121,7 @@ def cache_body(stats: p.Stats) -> dict[str, Any]:
         },
         "top_prefixes": [as_dict(row) for row in stats.top_prefixes],
         "pools": [as_dict(row) for row in stats.pools],
+        "kvstore_busy_s": stats.busy_s,
     }
 
 

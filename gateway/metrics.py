@@ -90,23 +90,36 @@ class KVStoreCollector(Collector):
         for kind in ("swap", "recompute"):
             preemptions.add_metric([*values, kind], stats.preemptions.get(kind, 0))
         yield preemptions
-        by_tier = CounterMetricFamily(
-            PREFIX + "prefix_cache_hits_by_tier",
+
+        def by_label(name: str, doc: str, label: str, counts: dict[str, float]) -> Metric:
+            family = CounterMetricFamily(PREFIX + name, doc, labels=[*labels, label])
+            for key, value in sorted(counts.items()):
+                family.add_metric([*values, key], value)
+            return family
+
+        yield by_label(
+            "prefix_cache_hits_by_tier",
             "prefix cache: prompt tokens found cached, by the tier that held them",
-            labels=[*labels, "tier"],
+            "tier",
+            {
+                "gpu": stats.prefix_hit_tokens - stats.prefix_hit_tokens_cpu,
+                "cpu": stats.prefix_hit_tokens_cpu,
+            },
         )
-        by_tier.add_metric([*values, "gpu"], stats.prefix_hit_tokens - stats.prefix_hit_tokens_cpu)
-        by_tier.add_metric([*values, "cpu"], stats.prefix_hit_tokens_cpu)
-        yield by_tier
-        events = CounterMetricFamily(
-            PREFIX + "prefix_cache_tier_blocks",
+        yield by_label(
+            "prefix_cache_tier_blocks",
             "prefix blocks moved between tiers: demoted ahead of eviction or at it, dropped from "
             "both tiers, loaded back from the CPU, or recomputed instead of loaded",
-            labels=[*labels, "event"],
+            "event",
+            dict(stats.tier_counts),
         )
-        for event, count in sorted(stats.tier_counts.items()):
-            events.add_metric([*values, event], count)
-        yield events
+        yield by_label(
+            "kvstore_busy_seconds",
+            "the kvstore daemon's time: handling each message kind, writing back between calls, "
+            "and (within those) its copies by kind",
+            "activity",
+            stats.busy_s,
+        )
         yield gauge(
             "cpu_prefix_cache_blocks", "demoted prefix blocks in the CPU tier", stats.cpu.cached
         )

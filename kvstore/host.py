@@ -26,6 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Literal
 
+import msgspec
+
 from kvstore import protocol as p
 from kvstore.cost_model import LinearCost
 from kvstore.manager import KVCacheManager
@@ -34,7 +36,7 @@ from kvstore.prefix_index import LookupResult
 from kvstore.request_blocks import extend_hashes
 from kvstore.requests import KVError, Request, table_blocks
 from kvstore.service import KVService
-from kvstore.stats import merge_stats, pool_row
+from kvstore.stats import add_up, merge_stats, pool_row
 
 log = logging.getLogger("pagedserve.kvstore")
 PeerCopyMode = Literal["auto", "always", "never"]
@@ -73,6 +75,7 @@ class Host:
         self._queued_tokens = [0] * len(services)
         self._loaded_in = [0] * len(services)  # blocks loaded from other pools' CPU tiers
         self._turn = 0  # requests routed round robin, a counter
+        self.busy_s: dict[str, float] = {}  # Stats.busy_s: by message, between_calls, peer_copies
 
     @property
     def managers(self) -> list[KVCacheManager]:
@@ -80,6 +83,17 @@ class Host:
 
     # ------------------------------------------------------------------ dispatch
     def handle(self, body: p.Request) -> p.ReplyBody:
+        """``body``'s reply; its handling time counts in ``busy_s`` under its type's name."""
+        start = time.perf_counter()
+        try:
+            return self._dispatch(body)
+        finally:
+            self._busy(type(body).__name__, time.perf_counter() - start)
+
+    def _busy(self, kind: str, seconds: float) -> None:
+        self.busy_s[kind] = self.busy_s.get(kind, 0.0) + seconds
+
+    def _dispatch(self, body: p.Request) -> p.ReplyBody:
         match body:
             case p.Register():
                 return self._register(body)
@@ -108,7 +122,11 @@ class Host:
         return p.Error("bad_message", f"unhandled message {type(body).__name__}")
 
     def between_calls(self) -> int:
-        return sum(s.between_calls() for s in self.services)
+        start = time.perf_counter()
+        copied = sum(s.between_calls() for s in self.services)
+        if copied:
+            self._busy("between_calls", time.perf_counter() - start)
+        return copied
 
     def tick(self) -> None:
         for service in self.services:
@@ -274,6 +292,7 @@ class Host:
                 assert on_cpu is not None, "a lookup position held by neither tier"
                 pairs["cpu"].append((on_cpu, block))
         seconds = sum(self.copier(source, pool, some, tier) for tier, some in pairs.items() if some)
+        self._busy("peer_copies", seconds)
         self._loaded_in[pool] += len(pairs["cpu"])
         dst.decisions.add_actual(decision.id, seconds)
         log.info(
@@ -304,7 +323,8 @@ class Host:
             )
             for i, s in enumerate(self.services)
         ]
-        return merge_stats(stats, rows, body.top_prefixes)
+        merged = merge_stats(stats, rows, body.top_prefixes)
+        return msgspec.structs.replace(merged, busy_s=add_up([merged.busy_s, self.busy_s]))
 
 
 def idle_hits(m: KVCacheManager, hit: LookupResult) -> int:

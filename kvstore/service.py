@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
+import msgspec
+
 from kvstore import protocol as p
 from kvstore.leases import Leases, Worker
 from kvstore.manager import KVCacheManager
@@ -53,6 +55,7 @@ class KVService:
         self.orphan_grace_s = orphan_grace_s
         self.started = clock()
         self._pool_info = mover.export()
+        self.busy_s: dict[str, float] = {}  # seconds of copies by kind (``Stats.busy_s``)
 
     # ------------------------------------------------------------------ dispatch
     def handle(self, body: p.Request, prepare_admit: PrepareAdmit | None = None) -> p.ReplyBody:
@@ -82,9 +85,10 @@ class KVService:
                 log.info("worker %s left; %d requests orphaned", body.worker_id, len(orphaned))
                 return p.Ack()
             case p.GetStats():
-                return build_stats(
+                stats = build_stats(
                     self.manager, self.mover.block_bytes, self.leases, body.top_prefixes, now
                 )
+                return msgspec.structs.replace(stats, busy_s=dict(self.busy_s))
             case p.ResetCache():
                 blocks = self.manager.reset_prefix_cache()
                 log.info("prefix cache reset: %d blocks unregistered", blocks)
@@ -192,7 +196,7 @@ class KVService:
             limit = max(1, WRITE_BACK_BYTES // self.mover.block_bytes)
         queued = self.manager.store.plan_write_back(self.write_back_ahead, limit)
         if queued:
-            self._run(TransferPlan())
+            self._run(TransferPlan(), pending_kind="write_back")
         return queued
 
     def _append(
@@ -268,14 +272,17 @@ class KVService:
         self._run(plan)
         reply.resumed.append(placed(placement))
 
-    def _run(self, plan: TransferPlan) -> None:
+    def _run(self, plan: TransferPlan, pending_kind: str = "tier_copies") -> None:
         """Executes the manager's queued demotions and prefix loads, then ``plan``, now: before
-        any other manager call may reuse their source blocks."""
+        any other manager call may reuse their source blocks. Their seconds count in
+        ``busy_s``: the queued copies as ``pending_kind``, ``plan`` as ``swaps``."""
         for part in (self.manager.take_pending(), plan):
             if not (part.swap_out or part.swap_in):
                 continue
             out_s = self.mover.swap_out(part.swap_out) if part.swap_out else 0.0
             in_s = self.mover.swap_in(part.swap_in) if part.swap_in else 0.0
+            kind = "swaps" if part is plan else pending_kind
+            self.busy_s[kind] = self.busy_s.get(kind, 0.0) + out_s + in_s
             self.manager.record_transfer(part, out_s, in_s)
             log.log(
                 logging.DEBUG if part is not plan else logging.INFO,

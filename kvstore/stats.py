@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import msgspec
 
@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from kvstore.manager import KVCacheManager
 
 
+Number = TypeVar("Number", int, float)
 STATUS: dict[Status, p.RequestStatus] = {
     Status.RUNNING: "running",
     Status.SWAPPED: "swapped",
@@ -130,13 +131,6 @@ def merge_stats(stats: list[p.Stats], rows: list[p.PoolRow], top: int) -> p.Stat
         fields = p.TierStats.__struct_fields__
         return p.TierStats(*(sum(getattr(t, f) for t in parts) for f in fields))
 
-    def counts(parts: list[dict[str, int]]) -> dict[str, int]:
-        total: dict[str, int] = {}
-        for part in parts:
-            for key, value in part.items():
-                total[key] = total.get(key, 0) + value
-        return total
-
     prefixes = sorted((row for s in stats for row in s.top_prefixes), key=lambda r: -r.hits)
     return msgspec.structs.replace(
         first,
@@ -146,14 +140,15 @@ def merge_stats(stats: list[p.Stats], rows: list[p.PoolRow], top: int) -> p.Stat
         prefix_lookups=sum(s.prefix_lookups for s in stats),
         prefix_queried_tokens=sum(s.prefix_queried_tokens for s in stats),
         prefix_hit_tokens=sum(s.prefix_hit_tokens for s in stats),
-        prefix_stops=counts([s.prefix_stops for s in stats]),
+        prefix_stops=add_up([s.prefix_stops for s in stats]),
         top_prefixes=prefixes[:top],
         requests=[row for s in stats for row in s.requests],
         workers=[row for s in stats for row in s.workers],
         decisions=sorted((d for s in stats for d in s.decisions), key=lambda d: d.at),
-        preemptions=counts([s.preemptions for s in stats]),
+        preemptions=add_up([s.preemptions for s in stats]),
         prefix_hit_tokens_cpu=sum(s.prefix_hit_tokens_cpu for s in stats),
-        tier_counts=counts([s.tier_counts for s in stats]),
+        tier_counts=add_up([s.tier_counts for s in stats]),
+        busy_s=add_up([s.busy_s for s in stats]),
         pools=rows,
     )
 
@@ -216,3 +211,12 @@ def block_map_state(m: KVCacheManager, tier: p.Tier, block: int, owned: bool) ->
     if owned:
         return _CODE["swapped"]
     return _CODE["demoted"] if m.cpu.is_demoted(block) else _CODE["free"]
+
+
+def add_up(parts: list[dict[str, Number]]) -> dict[str, Number]:
+    """``parts``' values (counts, seconds) summed by key."""
+    total: dict[str, Number] = {}
+    for part in parts:
+        for key, value in part.items():
+            total[key] = total[key] + value if key in total else value
+    return total

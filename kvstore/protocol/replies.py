@@ -191,6 +191,10 @@ class Stats(_Msg):
     tier_counts: dict[str, int]  # demoted, demoted_at_eviction, dropped, loaded, recomputed
     cpu_prefix_cache: bool  # whether evicted prefixes are kept in the CPU tier
     pools: list[PoolRow] = []  # one per pool of the host; the fields above sum them
+    # the daemon's seconds since its start: handling each message kind (``Step``, ``Route``, ...)
+    # and writing back between calls (``between_calls``); within those, its copies by kind
+    # (``tier_copies``: demotions and prefix loads; ``swaps``; ``peer_copies``; ``write_back``)
+    busy_s: dict[str, float] = {}
 
 
 class BlockMap(_Msg):

@@ -54,6 +54,8 @@ def test_admin_pages(stack: Stack) -> None:
     }
     assert set(cache["prefix_cache"]["miss_reasons"]) >= {"no_entry", "partial_block"}
     assert len(cache["top_prefixes"]) <= 5
+    busy = cache["kvstore_busy_s"]  # the daemon's seconds: its steps took some
+    assert busy["Step"] > 0 and busy["Register"] > 0 and all(s >= 0 for s in busy.values())
     live = stack.admin("/admin/requests")
     assert set(live) == {"requests", "workers", "queued"}
     [worker] = live["workers"]
@@ -128,6 +130,10 @@ def test_metrics_count_what_happened(stack: Stack) -> None:
     assert metric(after, p + "num_requests_running") == 0
     assert metric(after, p + "num_requests_waiting") == 0
     assert metric(after, p + "kvstore_up") == 1
+    step_s = 'activity="Step"'
+    assert metric(after, p + "kvstore_busy_seconds_total", step_s) > metric(
+        before, p + "kvstore_busy_seconds_total", step_s
+    )
 
 
 # ---------------------------------------------------------------- in-process apps

@@ -222,7 +222,7 @@ def test_a_write_back_pass_between_calls_copies_a_bounded_number_of_bytes() -> N
 
         def swap_out(self, pairs: list[tuple[int, int]]) -> float:
             self.copied += pairs
-            return 0.0
+            return 0.25 * len(pairs)
 
         def swap_in(self, pairs: list[tuple[int, int]]) -> float:
             return 0.0
@@ -237,4 +237,5 @@ def test_a_write_back_pass_between_calls_copies_a_bounded_number_of_bytes() -> N
     assert service.between_calls() == 2 and mover.copied == [(0, 0), (1, 1)]
     assert service.between_calls() == 2 and service.between_calls() == 1
     assert service.between_calls() == 0 and len(mover.copied) == 5
+    assert service.busy_s == {"write_back": 1.25}  # its seconds, as the mover timed them
     m.check_integrity()

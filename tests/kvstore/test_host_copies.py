@@ -156,3 +156,10 @@ def test_a_prefix_only_another_pools_cpu_tier_holds_is_loaded_from_it(mode: Peer
     stats = h.host.handle(p.GetStats())
     assert isinstance(stats, p.Stats)
     assert (stats.pools[1].copied_in_blocks, stats.pools[1].loaded_in_blocks) == (2, 2)
+    # the daemon's busy seconds: each copy as its mover timed it (1e-5 a call), in its kind
+    busy = stats.busy_s
+    assert busy["peer_copies"] == pytest.approx(1e-5)  # the one load from pool 0's CPU tier
+    assert busy["tier_copies"] == pytest.approx(1e-5)  # y's step demoted x's blocks, one call
+    assert "swaps" not in busy and "write_back" not in busy and "between_calls" not in busy
+    assert {"Register", "Step", "GetStats"} - set(busy) == {"GetStats"}  # counted once done
+    assert busy["Step"] >= busy["peer_copies"] + busy["tier_copies"]
