@@ -196,8 +196,18 @@ class DevicePools:
     ) -> float:
         """``(gpu, cpu)`` pairs between this pool and ``host`` (default: its own CPU tier)."""
         start = time.perf_counter()
+        self.issue(pairs, to_cpu, host)
+        self.wait()
+        return time.perf_counter() - start
+
+    def issue(
+        self, pairs: list[tuple[int, int]], to_cpu: bool, host: torch.Tensor | None = None
+    ) -> None:
+        """Queues ``_move``'s copies on the pool's own stream without waiting for them
+        (``wait`` does): the ranks of a group issue theirs, then wait, so that their GPUs'
+        host links work at once."""
         if not pairs:
-            return 0.0
+            return
         pairs = sorted(pairs, key=lambda pair: pair[1])  # CPU ids in order: longest runs
         chunk = self.staging.shape[0]
         cpu_pool = self.cpu_pool if host is None else host
@@ -217,9 +227,11 @@ class DevicePools:
                         staging[pos : pos + n].copy_(run, non_blocking=True)
                 if not to_cpu:
                     self.pool.index_copy_(0, gpu_ids, staging)
+
+    def wait(self) -> None:
+        """Returns once every copy ``issue`` queued is done."""
         if self.device.type == "cuda":
             self.stream.synchronize()
-        return time.perf_counter() - start
 
     def calibrate(self, sizes: tuple[int, ...] = (1, 4, 16, 64)) -> SwapCalibration | None:
         return calibrate_swaps(self, self.pool.shape[0], self.cpu_pool.shape[0], sizes)

@@ -42,6 +42,25 @@ def test_a_swap_moves_a_block_in_every_rank(ranks: RankPools) -> None:
     assert ranks.block_bytes == 2 * RANK_GEOMETRY.block_bytes(16)
 
 
+def test_a_swap_of_scattered_blocks_moves_each_to_its_place_in_every_rank(
+    ranks: RankPools,
+) -> None:
+    """Blocks 6, 0 and 4 out to CPU blocks 2, 0 and 3 (runs 0 and 2-3), then back in to GPU
+    blocks 1, 7 and 2: each rank's bytes land where its pairs say, whatever their order."""
+    gen = torch.Generator().manual_seed(1)
+    for rank in ranks.ranks:
+        rank.pool.copy_(torch.randn(rank.pool.shape, generator=gen))
+    before = [rank.pool.clone() for rank in ranks.ranks]
+    ranks.swap_out([(6, 2), (0, 0), (4, 3)])
+    for rank, pool in zip(ranks.ranks, before, strict=True):
+        for gpu, cpu in [(6, 2), (0, 0), (4, 3)]:
+            assert torch.equal(rank.cpu_pool[cpu], pool[gpu])
+    ranks.swap_in([(3, 1), (2, 7), (0, 2)])
+    for rank, pool in zip(ranks.ranks, before, strict=True):
+        for gpu, old in [(1, 4), (7, 6), (2, 0)]:
+            assert torch.equal(rank.pool[gpu], pool[old])
+
+
 def test_the_export_names_every_rank_pool(ranks: RankPools) -> None:
     info = ranks.export()
     assert [r.shm_path for r in info.ranks] == [r.shm_path for r in ranks.ranks]
