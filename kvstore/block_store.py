@@ -9,9 +9,12 @@ The CPU tier as a second-level prefix cache (``cpu_prefix_cache``):
 - **Demotion.** A cached GPU block with ref 0 is copied to a CPU block and its index entry
   names both. ``plan_write_back`` does it ahead of time for the next victims of the GPU LRU
   (the daemon runs it between calls, off the requests' critical path); a victim evicted without
-  a copy is copied at eviction, in the same call (``demoted_at_eviction``). Either way the copy
-  is queued in ``pending``: **the daemon runs ``pending`` before any other copy and before it
-  replies**, so the GPU block's bytes are saved before its new owner can write it.
+  a copy is copied at eviction, in the same call (``demoted_at_eviction``), up to
+  ``demote_at_eviction`` blocks until the queue is next taken (a synchronous copy the call
+  waits for: past the budget a victim is dropped, counted ``over_budget`` as well). Either
+  way the copy is queued in ``pending``: **the daemon runs ``pending`` before any other copy
+  and before it replies**, so the GPU block's bytes are saved before its new owner can write
+  it.
 - **Eviction.** An evicted GPU block whose entry has a CPU copy leaves the entry in the CPU
   tier. Demoted blocks are ref-less and evicted oldest first when the CPU tier needs room;
   swapped requests always win it.
@@ -28,19 +31,36 @@ from kvstore.block_pool import BlockPool, CpuTier, NoFreeBlocks
 from kvstore.prefix_index import PrefixIndex
 from kvstore.requests import KVError, TransferPlan
 
-TIER_COUNTS = ("demoted", "demoted_at_eviction", "dropped", "loaded", "recomputed", "received")
+TIER_COUNTS = (
+    "demoted",
+    "demoted_at_eviction",
+    "over_budget",
+    "dropped",
+    "loaded",
+    "recomputed",
+    "received",
+)
 
 
 class BlockStore:
     def __init__(
-        self, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int, cpu_prefix_cache: bool
+        self,
+        num_gpu_blocks: int,
+        num_cpu_blocks: int,
+        block_size: int,
+        cpu_prefix_cache: bool,
+        demote_at_eviction: int | None = None,
     ) -> None:
+        """``demote_at_eviction``: the most victims demoted at their eviction between two
+        ``take_pending`` (None: all)."""
         self.pool = BlockPool(num_gpu_blocks)
         self.cpu = CpuTier(num_cpu_blocks)
         self.index = PrefixIndex(block_size)
         self.cpu_prefix_cache = cpu_prefix_cache and num_cpu_blocks > 0
         self.pending = TransferPlan()  # demotion copies (GPU -> CPU) not yet run
         self._loading: set[int] = set()  # CPU blocks queued loads read: no demotion target
+        self.demote_at_eviction = demote_at_eviction
+        self._demoted_at_eviction = 0  # since the last take_pending
         self.counts: Counter[str] = Counter({name: 0 for name in TIER_COUNTS})
 
     # ------------------------------------------------------------------ GPU blocks
@@ -61,8 +81,13 @@ class BlockStore:
         entry = self.index.entry(key)
         assert entry is not None
         if entry.cpu_block is None and self._can_demote():
-            self._demote(block, key)
-            self.counts["demoted_at_eviction"] += 1
+            budget = self.demote_at_eviction
+            if budget is None or self._demoted_at_eviction < budget:
+                self._demote(block, key)
+                self._demoted_at_eviction += 1
+                self.counts["demoted_at_eviction"] += 1
+            else:
+                self.counts["over_budget"] += 1
         if not self.index.detach_gpu(block, evicted=True):
             self.counts["dropped"] += 1
 
@@ -104,6 +129,7 @@ class BlockStore:
         """The queued demotion copies, which the caller must run now."""
         plan, self.pending = self.pending, TransferPlan()
         self._loading = set()
+        self._demoted_at_eviction = 0
         return plan
 
     # ------------------------------------------------------------------ CPU blocks

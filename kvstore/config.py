@@ -67,6 +67,13 @@ class KVStoreConfig:
         "to the CPU tier between calls, ahead of their eviction (0: copy only at eviction, "
         "inside the call that evicts)",
     )
+    demote_at_eviction_mib: float = flag(
+        32.0,
+        "with --cpu-prefix-cache, the most MiB (a rank's bytes) of evicted prefix blocks that one "
+        "call copies to the CPU tier at their eviction, a copy the call waits for (~0.6 ms at "
+        "55 GB/s); victims past it are dropped (counted 'over_budget'). Write-back between calls "
+        "copies ahead of evictions without this limit",
+    )
     calibrate: bool = flag(
         True,
         "measure swap bandwidth at startup (the swap side of the cost model)",

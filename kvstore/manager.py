@@ -63,13 +63,17 @@ class KVCacheManager:
         block_size: int = 16,
         watermark: float = 0.0,
         cpu_prefix_cache: bool = False,
+        demote_at_eviction: int | None = None,
     ) -> None:
         """``watermark``: the fraction of GPU blocks that admission and resume leave free, so that
         running requests can still grow (appends may use them). ``cpu_prefix_cache``: evicted
-        prefix blocks are kept in the CPU tier (see ``BlockStore``)."""
+        prefix blocks are kept in the CPU tier, at most ``demote_at_eviction`` of them copied
+        at their eviction per call (see ``BlockStore``)."""
         self.block_size = block_size
         self.watermark_blocks = int(num_gpu_blocks * watermark)
-        self.store = BlockStore(num_gpu_blocks, num_cpu_blocks, block_size, cpu_prefix_cache)
+        self.store = BlockStore(
+            num_gpu_blocks, num_cpu_blocks, block_size, cpu_prefix_cache, demote_at_eviction
+        )
         self.requests: dict[str, Request] = {}
         self.choices = CostChoices()
 

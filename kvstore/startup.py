@@ -44,6 +44,8 @@ def build_host(config: KVStoreConfig) -> tuple[Host, list[Pools]]:
     ):
         if value < 1:
             raise ValueError(f"{name} {value}: at least 1")
+    if config.demote_at_eviction_mib < 0:
+        raise ValueError(f"--demote-at-eviction-mib {config.demote_at_eviction_mib}: at least 0")
     built = [build_service(config, i) for i in range(config.data_parallel_size)]
     services, pools = [s for s, _ in built], [d for _, d in built]
     # one copier per rank: rank r of a pool copies into rank r of another
@@ -134,6 +136,7 @@ def build_service(config: KVStoreConfig, index: int = 0) -> tuple[KVService, Poo
         config.block_size,
         config.admission_watermark,
         config.cpu_prefix_cache,
+        int(config.demote_at_eviction_mib * 2**20) // block_bytes,
     )
     if config.calibrate and num_cpu_blocks:
         manager.pricing.calibration = pools.calibrate()

@@ -11,6 +11,7 @@ from kvstore.cost_model import LinearCost, SwapCalibration
 from kvstore.manager import KVCacheManager
 from kvstore.requests import Status, TransferPlan
 from kvstore.stats import block_info, block_map
+from tests.kvstore.test_host_machine import chain
 
 BS = 16
 PROMPT = list(range(49))  # 3 full blocks + 1 token
@@ -205,6 +206,30 @@ def test_a_demotion_queued_after_a_load_never_overwrites_the_load_source() -> No
     assert placement.num_computed == 8 and plan.swap_in == [(0, 1), (1, 3)]
     assert plan.swap_out == [] and m.store.counts["dropped"] >= 1  # evicted without a copy
     assert not {c for _, c in plan.swap_out} & {0, 1}  # no demotion into the load's sources
+    m.check_integrity()
+
+
+def test_demotions_at_eviction_stop_at_their_budget_until_the_queue_is_taken() -> None:
+    """A budget of 2 demotions at eviction: a's 3 cached blocks evicted in one call, the first
+    two copied (to CPU blocks 0 and 1), the third dropped; once the queue is taken the budget
+    is whole again, and c's blocks evicted later are demoted the same way."""
+    m = KVCacheManager(4, 4, BS, cpu_prefix_cache=True, demote_at_eviction=2)
+    assert computed_and_freed(m, "a", PROMPT) == [0, 1, 2, 3]
+    assert m.admit("b", "w", list(range(100, 162)), None).block_ids == [3, 0, 1, 2]
+    assert m.take_pending() == TransferPlan(swap_out=[(0, 0), (1, 1)])
+    assert (m.store.counts["demoted_at_eviction"], m.store.counts["over_budget"]) == (2, 1)
+    assert m.cpu.lru_order() == [0, 1]
+    m.free("b", "w")
+    m.check_integrity()
+    c = [7] * 48 + [1]
+    assert computed_and_freed(m, "c", c) == [3, 0, 1, 2]  # b's blocks, in the order b freed them
+    assert m.pool.lru_order() == [3, 0, 1]
+    assert m.admit("d", "w", list(range(200, 262)), None).block_ids == [2, 3, 0, 1]
+    assert m.take_pending() == TransferPlan(swap_out=[(3, 2), (0, 3)])
+    assert (m.store.counts["demoted_at_eviction"], m.store.counts["over_budget"]) == (4, 2)
+    keys_a, _ = chain(PROMPT, None, BS)
+    keys_c, _ = chain(c, None, BS)
+    assert [m.index.key_of_cpu_block(b) for b in range(4)] == keys_a[:2] + keys_c[:2]
     m.check_integrity()
 
 

@@ -145,6 +145,7 @@ class HostMachine(RuleBasedStateMachine):
         calibrated=st.booleans(),
         profile=st.booleans(),
         copy_s=st.sampled_from([1e-9, 1.0]),
+        budget=st.sampled_from([None, 0, 1]),
     )
     def setup(
         self,
@@ -156,13 +157,14 @@ class HostMachine(RuleBasedStateMachine):
         calibrated: bool,
         profile: bool,
         copy_s: float,
+        budget: int | None,
     ) -> None:
         self.bs = bs
         self.now = 0.0
         self.shadow = Shadow(pools, gpu, cpu, bs)
         services = []
         for i in range(pools):
-            m = KVCacheManager(gpu, cpu, bs, cpu_prefix_cache=tier)
+            m = KVCacheManager(gpu, cpu, bs, cpu_prefix_cache=tier, demote_at_eviction=budget)
             if calibrated:
                 m.pricing.calibration = SwapCalibration(
                     64, LinearCost(0, 1e-6), LinearCost(0, 1e-6)

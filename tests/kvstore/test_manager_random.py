@@ -33,9 +33,12 @@ class KVMachine(RuleBasedStateMachine):
         swap_cost=st.sampled_from([1e-6, 1.0]),
         tier=st.booleans(),
         measured=st.booleans(),
+        budget=st.sampled_from([None, 0, 1]),
     )
-    def setup(self, gpu: int, cpu: int, swap_cost: float, tier: bool, measured: bool) -> None:
-        self.m = KVCacheManager(gpu, cpu, BS, cpu_prefix_cache=tier)
+    def setup(
+        self, gpu: int, cpu: int, swap_cost: float, tier: bool, measured: bool, budget: int | None
+    ) -> None:
+        self.m = KVCacheManager(gpu, cpu, BS, cpu_prefix_cache=tier, demote_at_eviction=budget)
         self.m.pricing.calibration = SwapCalibration(
             64, LinearCost(0, swap_cost), LinearCost(0, swap_cost)
         )
