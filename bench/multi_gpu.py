@@ -139,8 +139,28 @@ def timed(
     time.sleep(TIMELINE_WAIT_S)
     steps = [timeline_delta(b, timelines(u)) for b, u in zip(before, admin_urls, strict=True)]
     print(f"{out.stem}: {result['output_tok_s']:.0f} out tok/s; GPU {result['gpu']}", flush=True)
+    print(f"{out.stem} by pool: {per_pool(result)}", flush=True)
     print(f"{out.stem} worker step timelines: {'; '.join(steps)}", flush=True)
     return result
+
+
+def per_pool(result: dict[str, Any]) -> str:
+    """Each serving pool's share of a run (``X-PagedServe-Pool`` of each response): requests,
+    prompt and output tokens, and when its last request ended (seconds after the first start),
+    which says whether one pool's load set the run's end."""
+    requests = [r for r in result["requests"] if r["error"] is None]
+    if not requests:
+        return "no request completed"
+    start = min(r["start_s"] for r in requests)
+    pools: dict[str, list[dict[str, Any]]] = {}
+    for r in requests:
+        pools.setdefault(r["server_pool"] or "?", []).append(r)
+    return "; ".join(
+        f"pool {pool}: {len(rs)} requests, {sum(r['prompt_tokens'] for r in rs)} prompt and "
+        f"{sum(r['output_tokens'] for r in rs)} output tokens, last end "
+        f"{max(r['end_s'] for r in rs) - start:.1f} s"
+        for pool, rs in sorted(pools.items())
+    )
 
 
 def popularity(zipf: float) -> str:
