@@ -9,7 +9,11 @@ replay, its all-reduces waiting for the other ranks included); ``step``, the wal
 forward and the greedy tokens' copy to the host (what a step costs an engine that waits for
 it). p50 over ``--steps`` after 10; TP=1 and TP=2 in turn, each in fresh processes.
 
-    python bench/tp_step.py --shape 8b [--batch 32,256] [--context 512]
+    python bench/tp_step.py --shape 8b [--batch 32,256] [--context 512] [--profile-steps 5]
+
+``--profile-steps N`` then runs N more steps of each batch under the torch profiler and prints
+rank 0's device time per kernel (``bench/device_window.py``'s report; the engine's own count
+there is left at 0): where a TP=2 step's time goes against TP=1's.
 """
 
 from __future__ import annotations
@@ -68,7 +72,7 @@ def run(rank: int, size: int, port: int, args: argparse.Namespace, out: str) -> 
         group = join_group(rank, size, f"tcp://127.0.0.1:{port}", device, 120.0, args.all_reduce)
     model = empty_model(args.shape, device, group)
     batches = [int(b) for b in args.batch.split(",")]
-    per_seq = -(-(args.context + WARM + args.steps + 1) // BLOCK)
+    per_seq = -(-(args.context + WARM + args.steps + args.profile_steps + 1) // BLOCK)
     geo = kv_geometry(model.config, "bfloat16", size)
     shape = (per_seq * max(batches), geo.num_layers, 2, BLOCK, geo.num_kv_heads, geo.head_dim)
     pool = torch.zeros(shape, dtype=torch.bfloat16, device=device)
@@ -100,10 +104,38 @@ def run(rank: int, size: int, port: int, args: argparse.Namespace, out: str) -> 
             "forward_ms": statistics.median(forwards),
             "step_ms": statistics.median(steps),
             "path": runner.last_path,
+            "profile": profiled(runner, tables, batch, args) if args.profile_steps else [],
         }
     runner.stop_followers()
     Path(out).write_text(json.dumps(results))
     os._exit(0)
+
+
+def profiled(
+    runner: ModelRunner, tables: list[list[int]], batch: int, args: argparse.Namespace
+) -> list[str]:
+    """``--profile-steps`` more steps under the torch profiler (CUDA activity of rank 0: its
+    kernels, the all-reduces' waits for the other ranks inside them): ``device_window``'s
+    report of them, the device time per kernel name first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.device_window import report
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as trace:
+        for step in range(args.profile_steps):
+            position = args.context + WARM + args.steps + step
+            chunks = [
+                ScheduledChunk([7], position, tables[i], key=f"b{batch}-{i}") for i in range(batch)
+            ]
+            runner.forward(chunks).argmax(-1).tolist()
+        torch.cuda.synchronize()
+    spans = [
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in trace.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > 0
+    ]
+    return report(spans, 0.0, args.profile_steps)
 
 
 def main() -> None:
@@ -114,6 +146,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50, help="timed steps per batch size")
     parser.add_argument("--sizes", default="1,2", help="group sizes, in turn")
     parser.add_argument("--all-reduce", choices=["auto", "nccl"], default="auto")
+    parser.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="then profile this many steps of each batch on rank 0 (kernel time by name)",
+    )
     parser.add_argument("--out", type=Path, default=Path("/tmp/pagedserve-tp-step"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -129,6 +167,10 @@ def main() -> None:
             print(
                 f"| {size} | {batch} | {r['forward_ms']:.2f} | {r['step_ms']:.2f} | {r['path']} |"
             )
+    for size, rows in table.items():
+        for batch, r in rows.items():
+            for line in r["profile"]:
+                print(f"TP={size} batch {batch}: {line}")
     if 1 in table and 2 in table:
         for batch in table[1]:
             one, two = table[1][batch], table[2][batch]
