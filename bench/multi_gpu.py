@@ -129,9 +129,12 @@ def timed(
         workload=workload,
     )
     wall, cpu_after = time.monotonic() - start, cpu_seconds()
-    busy = {k: (v - cpu_before.get(k, 0.0)) / wall for k, v in sorted(cpu_after.items())}
+    # over the client's own span (its requests' first start to last end): the client first
+    # builds its prompts, seconds in which the stack idles
+    span = min(result["duration_s"], wall) or wall
+    busy = {k: (v - cpu_before.get(k, 0.0)) / span for k, v in sorted(cpu_after.items())}
     print(
-        f"{out.stem} CPU cores busy over the run: "
+        f"{out.stem} CPU cores busy over the client's {span:.1f} s of {wall:.1f} s: "
         + ", ".join(f"{k} {v:.2f}" for k, v in busy.items())
     )
     for b, u in zip(busy_before, admin_urls, strict=True):
