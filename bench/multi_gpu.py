@@ -138,7 +138,7 @@ def timed(
         + ", ".join(f"{k} {v:.2f}" for k, v in busy.items())
     )
     for b, u in zip(busy_before, admin_urls, strict=True):
-        print(f"{out.stem} kvstore {u} busy, s/s: {busy_delta(b, kvstore_busy(u), wall)}")
+        print(f"{out.stem} kvstore {u} busy, s/s: {busy_delta(b, kvstore_busy(u), span)}")
     time.sleep(TIMELINE_WAIT_S)
     steps = [timeline_delta(b, timelines(u)) for b, u in zip(before, admin_urls, strict=True)]
     print(f"{out.stem}: {result['output_tok_s']:.0f} out tok/s; GPU {result['gpu']}", flush=True)

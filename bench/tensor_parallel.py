@@ -161,7 +161,9 @@ def serve_runs(args: argparse.Namespace, run: str, model_dir: Path) -> dict[str,
             before, busy_before, start = timelines(url), kvstore_busy(url), time.monotonic()
             path = out.with_suffix(f".{name}.json")
             timed = bench(url, model_dir.name, model_dir, requests, path, True, workload=flags)
-            busy = busy_delta(busy_before, kvstore_busy(url), time.monotonic() - start)
+            wall = time.monotonic() - start  # the client's span leaves out its prompt building
+            span = min(timed["duration_s"], wall) or wall
+            busy = busy_delta(busy_before, kvstore_busy(url), span)
             print(f"{run} {name} kvstore busy, s/s: {busy}", flush=True)
             if killer is not None:
                 killer.cancel()
