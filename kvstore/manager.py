@@ -65,10 +65,8 @@ class KVCacheManager:
         cpu_prefix_cache: bool = False,
         demote_at_eviction: int | None = None,
     ) -> None:
-        """``watermark``: the fraction of GPU blocks that admission and resume leave free, so that
-        running requests can still grow (appends may use them). ``cpu_prefix_cache``: evicted
-        prefix blocks are kept in the CPU tier, at most ``demote_at_eviction`` of them copied
-        at their eviction per call (see ``BlockStore``)."""
+        """``watermark``: the share of GPU blocks admission and resume leave for growing requests;
+        ``cpu_prefix_cache``, ``demote_at_eviction``: the CPU prefix tier (``BlockStore``)."""
         self.block_size = block_size
         self.watermark_blocks = int(num_gpu_blocks * watermark)
         self.store = BlockStore(
@@ -195,8 +193,7 @@ class KVCacheManager:
             running = sum(r.worker == worker and r.status is on for r in self.requests.values())
             choice = self.choices.prefix(request, hit, missing, running, bs)
         load = choice is not None and choice.mode == "load"
-        if load:
-            used = len(hit.gpu)
+        used = len(hit.gpu) if load else used
         gpu_hits = [b for b in hit.gpu[:used] if b is not None]
         needed = total - len(gpu_hits)
         evictable_hits = sum(1 for b in gpu_hits if self.pool.ref_counts[b] == 0)
@@ -225,8 +222,7 @@ class KVCacheManager:
                 table[i] = block
         request.block_ids = [b for b in table if b is not None] + self.store.allocate(total - used)
         assert len(request.block_ids) == total
-        request.num_computed = used * bs
-        request.num_registered = used
+        request.num_computed, request.num_registered = used * bs, used
         if record:  # the hit the client sees is the one at admission
             request.num_cached_tokens = request.num_computed
             self.index.count_hits(request.keys[:used], len(missing) if load else 0)
