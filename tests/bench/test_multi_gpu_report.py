@@ -1,9 +1,14 @@
-"""``bench/multi_gpu.py``'s split of a run by serving pool, on a result as ``pagedserve bench``
-writes it."""
+"""``bench/multi_gpu.py``'s split of a run by serving pool (on a result as ``pagedserve bench``
+writes it) and its start of several stacks side by side."""
 
 from __future__ import annotations
 
-from bench.multi_gpu import per_pool
+import contextlib
+from collections.abc import Iterator
+
+import pytest
+
+from bench.multi_gpu import enter_together, per_pool
 
 
 def request(pool: str, start: float, end: float, prompt: int, output: int) -> dict[str, object]:
@@ -26,3 +31,27 @@ def test_each_pool_gets_its_requests_tokens_and_last_end() -> None:
         "pool 1: 1 requests, 200 prompt and 60 output tokens, last end 9.0 s"
     )
     assert per_pool({"requests": [failed]}) == "no request completed"
+
+
+def test_stacks_entered_together_are_all_left_even_when_one_fails() -> None:
+    """``enter_together``: every manager whose start succeeded is exited with the stack, the
+    first failure raised once all tried (no stack left running)."""
+    events: list[str] = []
+
+    @contextlib.contextmanager
+    def stack(name: str, fails: bool = False) -> Iterator[str]:
+        if fails:
+            raise RuntimeError(f"{name} did not start")
+        events.append(f"up {name}")
+        try:
+            yield f"url-{name}"
+        finally:
+            events.append(f"down {name}")
+
+    with contextlib.ExitStack() as outer:
+        assert enter_together(outer, [stack("a"), stack("b")]) == ["url-a", "url-b"]
+    assert sorted(events) == ["down a", "down b", "up a", "up b"]
+    events.clear()
+    with pytest.raises(RuntimeError, match="b did not start"), contextlib.ExitStack() as outer:
+        enter_together(outer, [stack("a"), stack("b", fails=True), stack("c")])
+    assert sorted(events) == ["down a", "down c", "up a", "up c"]
