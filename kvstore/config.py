@@ -67,12 +67,13 @@ class KVStoreConfig:
         "to the CPU tier between calls, ahead of their eviction (0: copy only at eviction, "
         "inside the call that evicts)",
     )
-    demote_at_eviction_mib: float = flag(
-        32.0,
-        "with --cpu-prefix-cache, the most MiB (a rank's bytes) of evicted prefix blocks that one "
-        "call copies to the CPU tier at their eviction, a copy the call waits for (~0.6 ms at "
-        "55 GB/s); victims past it are dropped (counted 'over_budget'). Write-back between calls "
-        "copies ahead of evictions without this limit",
+    demote_at_eviction_ms: float = flag(
+        5.0,
+        "with --cpu-prefix-cache, the longest a batch of copies may take to save evicted prefix "
+        "blocks in the CPU tier at their eviction (copies the call waits for), by the calibrated "
+        "swap-out line; victims past it are dropped (counted 'over_budget'); 0: none saved at "
+        "eviction; without a calibration, no limit. Write-back between calls copies ahead of "
+        "evictions without it",
     )
     calibrate: bool = flag(
         True,

@@ -33,6 +33,13 @@ class LinearCost:
     def seconds(self, n: float) -> float:
         return self.fixed_s + n * self.per_unit_s
 
+    def units_within(self, seconds: float) -> int | None:
+        """The most units done within ``seconds`` (0 if the fixed part alone exceeds them;
+        None, no limit, if a unit costs nothing)."""
+        if self.per_unit_s <= 0:
+            return None if seconds >= self.fixed_s else 0
+        return max(int((seconds - self.fixed_s) / self.per_unit_s), 0)
+
 
 def fit_linear(samples: list[tuple[float, float]]) -> LinearCost:
     """Least-squares line through ``(n, seconds)`` samples, clamped to non-negative terms."""

@@ -44,8 +44,8 @@ def build_host(config: KVStoreConfig) -> tuple[Host, list[Pools]]:
     ):
         if value < 1:
             raise ValueError(f"{name} {value}: at least 1")
-    if config.demote_at_eviction_mib < 0:
-        raise ValueError(f"--demote-at-eviction-mib {config.demote_at_eviction_mib}: at least 0")
+    if config.demote_at_eviction_ms < 0:
+        raise ValueError(f"--demote-at-eviction-ms {config.demote_at_eviction_ms}: at least 0")
     built = [build_service(config, i) for i in range(config.data_parallel_size)]
     services, pools = [s for s, _ in built], [d for _, d in built]
     # one copier per rank: rank r of a pool copies into rank r of another
@@ -130,19 +130,23 @@ def build_service(config: KVStoreConfig, index: int = 0) -> tuple[KVService, Poo
     bs = config.block_size
     made = [DevicePools(geometry, bs, num_blocks, num_cpu_blocks, d) for d in devices]
     pools: Pools = made[0] if ranks == 1 else RankPools(made)
+    calibration = pools.calibrate() if config.calibrate and num_cpu_blocks else None
+    budget = None
+    if calibration is not None:
+        out_bw, in_bw = calibration.bandwidth_gbps()
+        log.info("swap calibration: out %.2f GB/s, in %.2f GB/s", out_bw, in_bw)
+        budget = calibration.swap_out.units_within(config.demote_at_eviction_ms / 1e3)
+        if config.cpu_prefix_cache:
+            log.info("demotions at eviction: at most %s blocks a batch of copies", budget)
     manager = KVCacheManager(
         num_blocks,
         num_cpu_blocks,
         config.block_size,
         config.admission_watermark,
         config.cpu_prefix_cache,
-        int(config.demote_at_eviction_mib * 2**20) // block_bytes,
+        budget,
     )
-    if config.calibrate and num_cpu_blocks:
-        manager.pricing.calibration = pools.calibrate()
-        if manager.pricing.calibration is not None:
-            out_bw, in_bw = manager.pricing.calibration.bandwidth_gbps()
-            log.info("swap calibration: out %.2f GB/s, in %.2f GB/s", out_bw, in_bw)
+    manager.pricing.calibration = calibration
     service = KVService(
         manager,
         pools,

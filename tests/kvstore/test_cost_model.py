@@ -21,6 +21,16 @@ def test_fit_linear_recovers_fixed_and_per_unit_cost() -> None:
     assert fit_linear([(1, 5.0), (2, 1.0)]).per_unit_s == 0.0  # never a negative slope
 
 
+def test_units_within_a_time_budget() -> None:
+    """The demotion budget's arithmetic: (budget - fixed) / per unit, never negative; a line
+    whose units cost nothing limits nothing once its fixed part fits."""
+    line = LinearCost(1e-3, 0.25e-3)
+    assert [line.units_within(s) for s in (5e-3, 1.2e-3, 1e-3, 0.5e-3, 0.0)] == [16, 0, 0, 0, 0]
+    assert line.units_within(1.25e-3) == 1
+    assert LinearCost(1e-3, 0.0).units_within(2e-3) is None
+    assert LinearCost(1e-3, 0.0).units_within(0.5e-3) == 0
+
+
 def test_interpolate_prefill_profile() -> None:
     profile = [(1024, 0.1), (16, 0.01), (256, 0.03)]
     assert interpolate(profile, 16) == pytest.approx(0.01)

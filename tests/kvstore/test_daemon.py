@@ -292,7 +292,7 @@ def test_recompute_decision_gets_the_cost_the_worker_reports(client: KVClient) -
         (["--kv-memory", "lots"], "expected GiB"),
         (["--swap-memory", "-2"], "must not be negative"),
         (["--kv-memory", "0.0000001GiB"], "holds no block"),
-        (["--demote-at-eviction-mib", "-1"], "--demote-at-eviction-mib -1.0: at least 0"),
+        (["--demote-at-eviction-ms", "-1"], "--demote-at-eviction-ms -1.0: at least 0"),
     ],
 )
 def test_bad_flags_exit_with_a_clear_message(flags: list[str], message: str) -> None:
