@@ -64,6 +64,11 @@ def empty_model(shape: str, device: str, group: TPGroup | None) -> Any:
     return model
 
 
+def decode_chunks(tables: list[list[int]], batch: int, position: int) -> list[ScheduledChunk]:
+    """One decode step of ``batch`` requests: a token each at ``position``, over their tables."""
+    return [ScheduledChunk([7], position, tables[i], key=f"b{batch}-{i}") for i in range(batch)]
+
+
 def run(rank: int, size: int, port: int, args: argparse.Namespace, out: str) -> None:
     device = f"cuda:{rank}"
     torch.cuda.set_device(rank)
@@ -86,10 +91,7 @@ def run(rank: int, size: int, port: int, args: argparse.Namespace, out: str) -> 
         tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
         forwards, steps = [], []
         for step in range(WARM + args.steps):
-            chunks = [
-                ScheduledChunk([7], args.context + step, tables[i], key=f"b{batch}-{i}")
-                for i in range(batch)
-            ]
+            chunks = decode_chunks(tables, batch, args.context + step)
             torch.cuda.synchronize()
             clock = time.perf_counter()
             start.record()
@@ -124,10 +126,7 @@ def profiled(
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as trace:
         for step in range(args.profile_steps):
-            position = args.context + WARM + args.steps + step
-            chunks = [
-                ScheduledChunk([7], position, tables[i], key=f"b{batch}-{i}") for i in range(batch)
-            ]
+            chunks = decode_chunks(tables, batch, args.context + WARM + args.steps + step)
             runner.forward(chunks).argmax(-1).tolist()
         torch.cuda.synchronize()
     spans = [

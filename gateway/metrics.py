@@ -84,18 +84,16 @@ class KVStoreCollector(Collector):
             counter = CounterMetricFamily(PREFIX + name, f"prefix cache: {doc}", labels=labels)
             counter.add_metric(values, value)
             yield counter
-        preemptions = CounterMetricFamily(
-            PREFIX + "num_preemptions", "preemptions by kind", labels=[*labels, "kind"]
-        )
-        for kind in ("swap", "recompute"):
-            preemptions.add_metric([*values, kind], stats.preemptions.get(kind, 0))
-        yield preemptions
 
         def by_label(name: str, doc: str, label: str, counts: dict[str, float]) -> Metric:
             family = CounterMetricFamily(PREFIX + name, doc, labels=[*labels, label])
             for key, value in sorted(counts.items()):
                 family.add_metric([*values, key], value)
             return family
+
+        kinds = ("swap", "recompute")
+        preempted = {kind: float(stats.preemptions.get(kind, 0)) for kind in kinds}
+        yield by_label("num_preemptions", "preemptions by kind", "kind", preempted)
 
         yield by_label(
             "prefix_cache_hits_by_tier",
